@@ -1,0 +1,132 @@
+"""Real speech for tests and demos: espeak-ng WAVs at a chosen sample rate, cached on disk.
+
+Also small helpers to read a WAV into int16 samples and to pad speech with silence.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import wave
+from pathlib import Path
+
+import numpy as np
+
+CACHE_ENV = "VOICE_AGENT_CACHE"
+DEFAULT_CACHE_ROOT = Path("~/.cache/qwen3-voice-agent")
+INSTALL_HINT = "apt-get install espeak-ng sox"
+
+
+class SpeechToolMissing(RuntimeError):
+    """espeak-ng (or sox, for resampling) is not installed."""
+
+
+def speech_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """`cache_dir` if given, else `$VOICE_AGENT_CACHE/speech`, else ~/.cache/qwen3-voice-agent/speech."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    root = os.environ.get(CACHE_ENV)
+    return (Path(root) if root else DEFAULT_CACHE_ROOT).expanduser() / "speech"
+
+
+def speech_wav(
+    text: str,
+    *,
+    sample_rate: int = 16000,
+    voice: str = "en-us",
+    words_per_minute: int | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Path:
+    """Path to a mono 16-bit WAV of `text` spoken by espeak-ng at `sample_rate`.
+
+    Generated once per (text, voice, rate, speed) and reused from the cache afterwards.
+    """
+    if not text.strip():
+        raise ValueError("text must not be empty")
+    if sample_rate <= 0:
+        raise ValueError(f"sample_rate must be positive, got {sample_rate}")
+
+    directory = speech_cache_dir(cache_dir)
+    path = directory / _cache_name(text, voice, sample_rate, words_per_minute)
+    if path.is_file():
+        return path
+
+    directory.mkdir(parents=True, exist_ok=True)
+    espeak = _require_tool("espeak-ng")
+    # write under a temporary name, then rename: concurrent callers never see half a file
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        raw = Path(tmp) / "espeak.wav"
+        cmd = [espeak, "-v", voice, "-w", str(raw)]
+        if words_per_minute is not None:
+            cmd += ["-s", str(words_per_minute)]
+        _run([*cmd, "--", text])
+
+        with wave.open(str(raw), "rb") as w:
+            espeak_rate = w.getframerate()
+        if espeak_rate == sample_rate:
+            out = raw
+        else:
+            out = Path(tmp) / "resampled.wav"
+            sox = _require_tool("sox")
+            # -h: high-quality resampler; -b 16 -c 1: keep mono int16
+            _run([sox, str(raw), "-b", "16", "-c", "1", str(out), "rate", "-h", str(sample_rate)])
+        os.replace(out, path)
+    return path
+
+
+def read_wav(path: str | os.PathLike[str]) -> tuple[np.ndarray, int]:
+    """(int16 samples, sample rate) of a 16-bit PCM WAV; multi-channel files come back (n, ch)."""
+    with wave.open(str(path), "rb") as w:
+        if w.getsampwidth() != 2:
+            raise ValueError(f"{path}: expected 16-bit PCM, got {8 * w.getsampwidth()}-bit")
+        channels, rate = w.getnchannels(), w.getframerate()
+        samples = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.int16)
+    if channels > 1:
+        samples = samples.reshape(-1, channels)
+    return samples, rate
+
+
+def pad_silence(
+    samples: np.ndarray, sample_rate: int, *, before: float = 0.0, after: float = 0.0
+) -> np.ndarray:
+    """`samples` with `before`/`after` seconds of digital silence added (same dtype)."""
+    if before < 0 or after < 0:
+        raise ValueError("padding durations must be >= 0")
+    pad = [(round(before * sample_rate), round(after * sample_rate))]
+    pad += [(0, 0)] * (samples.ndim - 1)
+    return np.pad(samples, pad)
+
+
+def speech_samples(text: str, *, sample_rate: int = 16000, **kwargs) -> np.ndarray:
+    """int16 samples of `text` spoken at `sample_rate` (see `speech_wav` for the options)."""
+    samples, rate = read_wav(speech_wav(text, sample_rate=sample_rate, **kwargs))
+    assert rate == sample_rate, (rate, sample_rate)
+    return samples
+
+
+def _cache_name(text: str, voice: str, sample_rate: int, words_per_minute: int | None) -> str:
+    key = json.dumps([text, voice, sample_rate, words_per_minute], ensure_ascii=False)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40] or "speech"
+    voice_slug = re.sub(r"[^A-Za-z0-9+.-]+", "_", voice)
+    return f"{slug}.{voice_slug}.{sample_rate}hz.{digest}.wav"
+
+
+def _require_tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise SpeechToolMissing(f"{name} is not installed; install it with: {INSTALL_HINT}")
+    return path
+
+
+def _run(cmd: list[str]) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"{Path(cmd[0]).name} failed ({result.returncode}): {result.stderr.strip()}"
+        )

@@ -1,0 +1,268 @@
+"""`qwen3-tts` command line: tiny-checkpoint, serve, say, bench, demo.
+
+Everything but `say --server` needs the `mlx` extra (`pip install livekit-plugins-qwen3-tts[mlx]`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+import wave
+from pathlib import Path
+
+from .protocol import SAMPLE_RATE, RequestError, SpeechRequest, normalize_language
+
+TINY_WARNING = (
+    "NOTE: this is a generated tiny checkpoint with RANDOM weights: the 'voice' is noise. "
+    "Pass --model with a real Qwen3-TTS checkpoint for speech."
+)
+
+
+def _need_mlx() -> None:
+    try:
+        import mlx_audio  # noqa: F401
+    except ImportError:
+        sys.exit("qwen3-tts: this command needs the engine extra: "
+                 "pip install 'livekit-plugins-qwen3-tts[mlx]'")  # fmt: skip
+
+
+def default_tiny_checkpoint(variant: str = "custom_voice") -> Path:
+    """A tiny random checkpoint built once into the cache (for demos and offline runs)."""
+    from .engine.loading import cache_root
+    from .engine.tiny_checkpoint import write_tiny_checkpoint
+
+    out = cache_root() / "tiny" / f"{variant}-seed0"
+    if not (out / "config.json").is_file():
+        write_tiny_checkpoint(out, variant=variant, seed=0)
+    return out
+
+
+def write_wav(path: Path, pcm: bytes, sample_rate: int = SAMPLE_RATE) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sample_rate)
+        w.writeframes(pcm)
+
+
+# -- tiny-checkpoint --------------------------------------------------------------------------
+
+
+def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
+    _need_mlx()
+    from .engine.tiny_checkpoint import write_tiny_checkpoint
+
+    t0 = time.perf_counter()
+    out = write_tiny_checkpoint(args.out, variant=args.variant, bits=args.bits, seed=args.seed)
+    size = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file())
+    print(f"wrote {args.variant} tiny checkpoint ({size / 1e6:.1f} MB) to {out} "
+          f"in {time.perf_counter() - t0:.1f}s")  # fmt: skip
+    return 0
+
+
+# -- serve ------------------------------------------------------------------------------------
+
+
+def build_server(args: argparse.Namespace):
+    from .engine.handler import Handler
+    from .engine.server import Engine, EngineServer, ServerConfig
+    from .protocol import Limits
+
+    model = args.model or str(default_tiny_checkpoint())
+    variants = args.variant or [None]
+    handlers = [Handler(model, v, max_queue=args.max_queue) for v in variants]
+    config = ServerConfig(
+        host=args.host, port=args.port, api_key=os.environ.get("QWEN3_TTS_API_KEY") or None,
+        ref_audio_dir=Path(args.ref_audio_dir) if args.ref_audio_dir else None,
+        limits=Limits(max_input_chars=args.max_input_chars), max_queue=args.max_queue,
+    )  # fmt: skip
+    return EngineServer(Engine(model, handlers), config)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _need_mlx()
+    from .engine.server import serve_forever
+
+    if not args.model:
+        print(TINY_WARNING, file=sys.stderr)
+    try:
+        asyncio.run(serve_forever(build_server(args)))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+# -- say --------------------------------------------------------------------------------------
+
+
+def _say_local(args: argparse.Namespace, req: SpeechRequest) -> tuple[dict, bytes]:
+    """In-process synthesis (mlx on this main thread)."""
+    _need_mlx()
+    import numpy as np
+
+    from .engine.loading import load
+    from .engine.synthesis import SynthesisStats, model_info, stream_chunks
+    from .engine.variants import resolve
+
+    source = resolve(args.model or str(default_tiny_checkpoint()), args.variant)
+    model, details = load(source, progress=True)
+    if req.voice is None and model_info(model)["voices"]:
+        req.voice = model_info(model)["voices"][0]
+    stats = SynthesisStats()
+    pcm, chunks, first = [], [], None
+    t0 = time.perf_counter()
+    for chunk in stream_chunks(model, req, stats=stats):
+        first = first if first is not None else time.perf_counter() - t0
+        pcm.append((np.clip(chunk.audio, -1, 1) * 32767).astype("<i2").tobytes())
+        chunks.append({"frames": chunk.frames, "samples": int(chunk.audio.shape[0]),
+                       "compute_s": round(chunk.compute_s, 4)})  # fmt: skip
+    total = time.perf_counter() - t0
+    return {"variant": source.variant, "load_s": round(details["load_s"], 3), "chunks": chunks,
+            "first_audio_s": first, "total_s": total, "hit_token_cap": stats.hit_token_cap}, b"".join(pcm)  # fmt: skip
+
+
+def _say_remote(args: argparse.Namespace, req: SpeechRequest) -> tuple[dict, bytes]:
+    import httpx
+
+    from .protocol import HEADER_VARIANT
+
+    body = {k: v for k, v in req.to_dict().items() if v is not None}
+    body.update(stream=True, response_format="pcm")
+    headers = {}
+    if os.environ.get("QWEN3_TTS_API_KEY"):
+        headers["Authorization"] = f"Bearer {os.environ['QWEN3_TTS_API_KEY']}"
+    pcm, chunks, first = [], [], None
+    t0 = time.perf_counter()
+    url = args.server.rstrip("/") + "/v1/audio/speech"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=httpx.Timeout(600, connect=10)) as r:
+        if r.status_code != 200:
+            r.read()
+            raise SystemExit(f"qwen3-tts: server answered {r.status_code}: {r.text}")
+        variant = r.headers.get(HEADER_VARIANT)
+        for data in r.iter_raw():
+            first = first if first is not None else time.perf_counter() - t0
+            pcm.append(data)
+            chunks.append({"frames": len(data) // 2 / 1920, "samples": len(data) // 2})
+    return {"variant": variant, "chunks": chunks, "first_audio_s": first,
+            "total_s": time.perf_counter() - t0}, b"".join(pcm)  # fmt: skip
+
+
+def cmd_say(args: argparse.Namespace) -> int:
+    try:
+        req = SpeechRequest(
+            input=args.text, voice=args.voice, language=normalize_language(args.language),
+            instructions=args.instructions, seed=args.seed, max_new_tokens=args.max_new_tokens,
+            first_chunk_frames=args.first_chunk_frames, variant=args.variant if args.server else None,
+        )  # fmt: skip
+    except RequestError as e:
+        print(f"qwen3-tts: {e.message}", file=sys.stderr)
+        return 2
+    if not args.model and not args.server:
+        print(TINY_WARNING, file=sys.stderr)
+    report, pcm = (_say_remote if args.server else _say_local)(args, req)
+    audio_s = len(pcm) / 2 / SAMPLE_RATE
+    report.update(sample_rate=SAMPLE_RATE, audio_s=audio_s,
+                  rtf=report["total_s"] / audio_s if audio_s else None)  # fmt: skip
+    if args.out:
+        write_wav(Path(args.out), pcm)
+        report["out"] = args.out
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{audio_s:.2f}s of audio in {len(report['chunks'])} chunks (variant "
+              f"{report['variant']}), first audio after {report['first_audio_s']:.3f}s, "
+              f"RTF {report['rtf']:.2f}" + (f" -> {args.out}" if args.out else ""))  # fmt: skip
+    return 0
+
+
+# -- demo / bench -------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    _need_mlx()
+    from .engine.demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    _need_mlx()
+    from .engine.bench import run_bench
+
+    return run_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qwen3-tts", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("tiny-checkpoint", help="write a tiny random checkpoint (tests, demos)")
+    t.add_argument("out")
+    t.add_argument("--variant", choices=["custom_voice", "base", "voice_design"], default="custom_voice")
+    t.add_argument("--bits", type=int, choices=[4, 6, 8])
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(fn=cmd_tiny_checkpoint)
+
+    s = sub.add_parser("serve", help="run the engine server")
+    s.add_argument("--model", help="hub id or local checkpoint (default: a tiny random one)")
+    s.add_argument("--variant", action="append", help="variant to load (repeat for several; "
+                   "the first serves by default): bf16, 8bit, 6bit, 4bit, talker-mlp-w4, ...")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8880)
+    s.add_argument("--ref-audio-dir", help="folder whose files ref_audio may name")
+    s.add_argument("--max-queue", type=int, default=32)
+    s.add_argument("--max-input-chars", type=int, default=4000)
+    s.set_defaults(fn=cmd_serve)
+
+    y = sub.add_parser("say", help="synthesize one text in-process or through a server")
+    y.add_argument("text")
+    y.add_argument("--model")
+    y.add_argument("--variant")
+    y.add_argument("--voice")
+    y.add_argument("--language", default="auto")
+    y.add_argument("--instructions")
+    y.add_argument("--seed", type=int)
+    y.add_argument("--max-new-tokens", type=int)
+    y.add_argument("--first-chunk-frames", type=int, choices=[1, 2, 4], default=4)
+    y.add_argument("--server", help="engine URL, e.g. http://127.0.0.1:8880")
+    y.add_argument("--out", help="write a WAV file")
+    y.add_argument("--json", action="store_true")
+    y.set_defaults(fn=cmd_say)
+
+    d = sub.add_parser("demo", help="offline engine demo: server + streamed synthesis to a WAV")
+    d.add_argument("--model")
+    d.add_argument("--text", default="Hello! This is the Qwen3 TTS engine, streaming in chunks.")
+    d.add_argument("--out", default="out/demo.wav")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(fn=cmd_demo)
+
+    b = sub.add_parser("bench", help="benchmarks (JSON)")
+    b.add_argument("--variants", default="bf16,8bit,6bit,4bit,talker-mlp-w4")
+    b.add_argument("--model", help="checkpoint (default: a tiny random one)")
+    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--real-size-memory", action="store_true",
+                   help="also build the real 0.6B architecture (random weights) per variant")
+    b.add_argument("--out", help="also write the JSON here")
+    b.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("QWEN3_TTS_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"qwen3-tts: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

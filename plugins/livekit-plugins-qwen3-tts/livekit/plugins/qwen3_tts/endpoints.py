@@ -1,0 +1,96 @@
+"""Health-aware choice among several TTS endpoints, with failover and recovery probing.
+
+Endpoints are tried in the order given. One that fails is marked down and not used again until a
+background probe finds its `/ready` answering 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import httpx
+from livekit.agents import APIConnectionError
+
+from .log import logger
+
+
+@dataclass
+class Endpoint:
+    url: str
+    healthy: bool = True
+    down_since: float | None = None
+    last_error: str | None = None
+    failures: int = 0
+    requests: int = 0
+
+
+class EndpointPool:
+    def __init__(self, urls: list[str], client: httpx.AsyncClient, *, probe_interval: float = 2.0):
+        if not urls:
+            raise ValueError("at least one TTS base_url is required")
+        self.endpoints = [Endpoint(u.rstrip("/")) for u in urls]
+        self._client = client
+        self.probe_interval = probe_interval
+        self._prober: asyncio.Task | None = None
+
+    def __len__(self) -> int:
+        return len(self.endpoints)
+
+    def healthy(self) -> list[Endpoint]:
+        return [e for e in self.endpoints if e.healthy]
+
+    async def choose(self, exclude: set[str] = frozenset()) -> Endpoint:
+        """The first healthy endpoint not in `exclude`; probes once if none is healthy."""
+        for ep in self.endpoints:
+            if ep.healthy and ep.url not in exclude:
+                return ep
+        await self.probe_all()
+        for ep in self.endpoints:
+            if ep.healthy and ep.url not in exclude:
+                return ep
+        errors = "; ".join(f"{e.url}: {e.last_error}" for e in self.endpoints)
+        raise APIConnectionError(f"no Qwen3-TTS endpoint is ready ({errors})")
+
+    def mark_down(self, ep: Endpoint, reason: str) -> None:
+        if ep.healthy:
+            logger.warning("TTS endpoint %s is down: %s", ep.url, reason)
+        ep.healthy = False
+        ep.down_since = ep.down_since or time.monotonic()
+        ep.last_error = reason
+        ep.failures += 1
+        if self._prober is None or self._prober.done():
+            self._prober = asyncio.create_task(self._probe_loop(), name="qwen3-tts-endpoint-probe")
+
+    async def probe(self, ep: Endpoint) -> bool:
+        try:
+            r = await self._client.get(f"{ep.url}/ready", timeout=2.0)
+            ok = r.status_code == 200
+        except httpx.HTTPError as e:
+            ok, r = False, None
+            ep.last_error = f"{type(e).__name__}: {e}"
+        if ok and not ep.healthy:
+            logger.info("TTS endpoint %s is back", ep.url)
+            ep.healthy, ep.down_since = True, None
+        elif not ok:
+            ep.healthy = False
+            if r is not None:
+                ep.last_error = f"/ready answered {r.status_code}"
+        return ok
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(ep) for ep in self.endpoints))
+
+    async def _probe_loop(self) -> None:
+        while any(not e.healthy for e in self.endpoints):
+            await asyncio.sleep(self.probe_interval)
+            await asyncio.gather(*(self.probe(e) for e in self.endpoints if not e.healthy))
+
+    async def aclose(self) -> None:
+        if self._prober is not None:
+            self._prober.cancel()
+            try:
+                await self._prober
+            except (asyncio.CancelledError, Exception):
+                pass

@@ -1,0 +1,164 @@
+"""Loading a resolved model: hub download or local directory, quantize-on-load with a disk cache.
+
+A full-precision checkpoint plus a quantized variant is converted once and cached under a key
+made of the source's content digest and the recipe, so the next load is a plain load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from ..log import logger
+from .recipes import Recipe, quantization_plan
+from .variants import ModelSource
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("QWEN3_TTS_CACHE", "~/.cache/qwen3-tts")).expanduser()
+
+
+def fetch(source: ModelSource) -> Path:
+    """Local directory of the checkpoint; hub ids are downloaded (with progress bars)."""
+    if source.local:
+        return Path(source.source)
+    from mlx_audio.utils import get_model_path
+
+    try:
+        return Path(get_model_path(source.source))
+    except Exception as e:  # huggingface_hub raises many types when offline
+        raise RuntimeError(
+            f"cannot download {source.source!r} ({type(e).__name__}: {e}). Without a network, "
+            "pass a local checkpoint directory, e.g. one made by `qwen3-tts tiny-checkpoint DIR`"
+        ) from e
+
+
+def source_digest(path: Path) -> str:
+    """sha256 over config.json and the root weight files (names and bytes)."""
+    h = hashlib.sha256()
+    for f in sorted([path / "config.json", *path.glob("*.safetensors")]):
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            while block := fh.read(1 << 22):
+                h.update(block)
+    return h.hexdigest()
+
+
+def recipe_digest(recipe: Recipe) -> str:
+    return hashlib.sha256(repr(recipe).encode()).hexdigest()[:12]
+
+
+def quantized_cache_dir(src: Path, recipe: Recipe) -> Path:
+    return cache_root() / "quantized" / f"{source_digest(src)[:16]}-{recipe.name}-{recipe_digest(recipe)}"
+
+
+def quantize_checkpoint(src: Path, dst: Path, recipe: Recipe, *, progress: bool = True) -> dict:
+    """Write `src` quantized with `recipe` to `dst` in mlx-audio's checkpoint format.
+
+    Mirrors `mlx_audio.convert`: build the model, sanitize and load the weights, quantize the
+    planned modules, save, and record each quantized module in config.json["quantization"] so
+    mixed precision loads back with mlx-audio's own loader. Returns the plan.
+    """
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+    from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
+    from mlx_audio.utils import load_weights
+    from tqdm import tqdm
+
+    config = json.loads((src / "config.json").read_text())
+    if config.get("quantization"):
+        raise ValueError(f"{src} is already quantized; quantize a full-precision checkpoint")
+    model = Model(ModelConfig.from_dict(config))
+    model.load_weights(list(model.sanitize(load_weights(src)).items()))
+
+    n_layers = model.config.talker_config.num_hidden_layers
+    modules = [
+        (path, m.weight.shape[-1])
+        for path, m in model.named_modules()
+        if hasattr(m, "to_quantized") and hasattr(m, "weight")
+    ]
+    plan = quantization_plan(recipe, modules, n_layers)
+    if not plan:
+        raise ValueError(f"recipe {recipe.name!r} quantizes no module of {src}")
+    nn.quantize(
+        model,
+        class_predicate=lambda p, m: (
+            {"bits": plan[p][0], "group_size": plan[p][1], "mode": "affine"} if p in plan else False
+        ),
+    )
+    weights = dict(tree_flatten(model.parameters()))
+    for key in tqdm(list(weights), desc=f"quantizing ({recipe.name})", unit="tensor",
+                    disable=not progress, leave=False):  # fmt: skip
+        mx.eval(weights[key])
+
+    tmp = dst.with_name(dst.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for item in src.iterdir():
+        if item.name == "config.json" or (item.suffix == ".safetensors" and item.is_file()):
+            continue
+        (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    first_bits, first_group = next(iter(plan.values()))
+    config["quantization"] = {
+        "group_size": recipe.default_group_size if recipe.default_bits else first_group,
+        "bits": recipe.default_bits or first_bits,
+        "mode": "affine",
+        **{p: {"bits": b, "group_size": g} for p, (b, g) in plan.items()},
+    }
+    config["qwen3_tts_recipe"] = recipe.name
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, dst)
+    return plan
+
+
+def prepare(source: ModelSource, *, progress: bool = True) -> tuple[Path, bool]:
+    """Directory to load for `source` (quantizing into the cache when needed); True if cached."""
+    path = fetch(source)
+    if source.quantize_with is None:
+        return path, False
+    dst = quantized_cache_dir(path, source.quantize_with)
+    if (dst / "config.json").is_file():
+        return dst, True
+    t0 = time.perf_counter()
+    plan = quantize_checkpoint(path, dst, source.quantize_with, progress=progress)
+    logger.info(
+        "quantized %s with %s (%d modules) in %.1fs -> %s",
+        path, source.quantize_with.name, len(plan), time.perf_counter() - t0, dst,
+    )  # fmt: skip
+    return dst, False
+
+
+def load(source: ModelSource, *, progress: bool = True):
+    """Load the mlx-audio model for `source`. Returns (model, details)."""
+    from mlx_audio.tts.utils import load_model
+
+    t0 = time.perf_counter()
+    path, cached = prepare(source, progress=progress)
+    model = load_model(path)
+    if model.tokenizer is None or model.speech_tokenizer is None:
+        raise RuntimeError(f"{path}: the text tokenizer or speech tokenizer failed to load")
+    return model, {
+        "path": str(path),
+        "from_cache": cached,
+        "quantized_on_load": source.quantize_with is not None and not cached,
+        "load_s": time.perf_counter() - t0,
+    }
+
+
+def quantized_modules(model) -> dict[str, int]:
+    """Module path -> bits for every quantized module of a loaded model."""
+    import mlx.nn as nn
+
+    return {
+        path: m.bits
+        for path, m in model.named_modules()
+        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+    }

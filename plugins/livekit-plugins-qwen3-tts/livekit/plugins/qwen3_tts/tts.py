@@ -1,0 +1,351 @@
+"""LiveKit TTS for Qwen3-TTS engines (ours on MLX, or vLLM-Omni on GPUs) over streaming HTTP.
+
+Text from the LLM is cut into sentences; each is synthesized as soon as it is complete, while the
+previous one still plays, so the prefill of sentence N+1 hides behind the audio of sentence N.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import httpx
+from livekit.agents import (
+    APIConnectionError,
+    APIConnectOptions,
+    APIStatusError,
+    APITimeoutError,
+    tokenize,
+    tts,
+    utils,
+)
+from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS
+
+from .endpoints import Endpoint, EndpointPool
+from .log import logger
+from .protocol import HEADER_VARIANT, SAMPLE_RATE, normalize_language
+
+DEFAULT_URL = "http://127.0.0.1:8880"
+Protocol = Literal["qwen3-tts", "vllm-omni"]
+_TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
+
+
+@dataclass
+class _TTSOptions:
+    model: str
+    voice: str | None
+    language: str
+    instructions: str | None
+    ref_audio: str | None
+    ref_text: str | None
+    task_type: str | None
+    variant: str | None
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    repetition_penalty: float | None
+    seed: int | None
+    max_new_tokens: int | None
+    first_chunk_frames: int
+    protocol: Protocol
+    prefetch: int
+
+    def request_body(self, text: str, seed: int | None) -> dict:
+        """The JSON for one sentence. vLLM-Omni gets only the fields it defines."""
+        body = {
+            "model": self.model, "input": text, "voice": self.voice, "response_format": "pcm",
+            "stream": True, "language": self.language.capitalize(),
+            "task_type": _TASK_TYPES.get(self.task_type) if self.task_type else None,
+            "instructions": self.instructions, "ref_audio": self.ref_audio,
+            "ref_text": self.ref_text, "max_new_tokens": self.max_new_tokens,
+        }  # fmt: skip
+        if self.protocol == "qwen3-tts":
+            body.update(
+                variant=self.variant, temperature=self.temperature, top_k=self.top_k,
+                top_p=self.top_p, repetition_penalty=self.repetition_penalty, seed=seed,
+                first_chunk_frames=self.first_chunk_frames,
+            )  # fmt: skip
+        return {k: v for k, v in body.items() if v is not None}
+
+
+@dataclass
+class SentenceReport:
+    """What happened to one sentence: for logs, metrics and tests."""
+
+    text: str
+    samples: int = 0
+    endpoints: list[str] = field(default_factory=list)
+    variant: str | None = None
+    first_audio_s: float | None = None
+    skipped_bytes: int = 0  # audio re-synthesized after a failover but not played again
+
+
+class TTS(tts.TTS):
+    def __init__(
+        self,
+        *,
+        base_url: str | list[str] | None = None,
+        api_key: str | None = None,
+        model: str = "qwen3-tts",
+        voice: str | None = None,
+        language: str = "auto",
+        instructions: str | None = None,
+        ref_audio: str | None = None,
+        ref_text: str | None = None,
+        task_type: Literal["custom_voice", "voice_design", "base"] | None = None,
+        variant: str | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        seed: int | None = None,
+        max_new_tokens: int | None = None,
+        first_chunk_frames: int = 4,
+        protocol: Protocol = "qwen3-tts",
+        prefetch: int = 1,
+        timeout: httpx.Timeout | float = httpx.Timeout(60.0, connect=5.0),
+        probe_interval: float = 2.0,
+        tokenizer: tokenize.SentenceTokenizer | None = None,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        """Qwen3-TTS over HTTP.
+
+        `base_url` takes one or more engine URLs (default: `QWEN3_TTS_URL`, comma-separated, or
+        http://127.0.0.1:8880); they are used in order, failing over when one dies. Use
+        `protocol="vllm-omni"` for a vLLM-Omni server (only its own fields are sent).
+        `prefetch` is how many sentences may be requested ahead of the one playing.
+        """
+        super().__init__(
+            capabilities=tts.TTSCapabilities(streaming=True),
+            sample_rate=SAMPLE_RATE,
+            num_channels=1,
+        )
+        urls = base_url or os.environ.get("QWEN3_TTS_URL", DEFAULT_URL)
+        urls = [u.strip() for u in urls.split(",")] if isinstance(urls, str) else list(urls)
+        if first_chunk_frames not in (1, 2, 4):
+            raise ValueError("first_chunk_frames must be 1, 2 or 4")
+        if prefetch < 0:
+            raise ValueError("prefetch must be >= 0")
+        if protocol not in ("qwen3-tts", "vllm-omni"):
+            raise ValueError("protocol must be 'qwen3-tts' or 'vllm-omni'")
+        if task_type is not None and task_type not in _TASK_TYPES:
+            raise ValueError(f"task_type must be one of {', '.join(_TASK_TYPES)}")
+        self._opts = _TTSOptions(
+            model=model, voice=voice, language=normalize_language(language),
+            instructions=instructions, ref_audio=ref_audio, ref_text=ref_text,
+            task_type=task_type, variant=variant, temperature=temperature, top_k=top_k,
+            top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
+            max_new_tokens=max_new_tokens, first_chunk_frames=first_chunk_frames,
+            protocol=protocol, prefetch=prefetch,
+        )  # fmt: skip
+        api_key = api_key or os.environ.get("QWEN3_TTS_API_KEY")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
+        self._owns_client = http_client is None
+        self._client = http_client or httpx.AsyncClient(
+            timeout=self._timeout, limits=httpx.Limits(max_connections=64)
+        )
+        self._pool = EndpointPool(urls, self._client, probe_interval=probe_interval)
+        self._tokenizer = tokenizer or tokenize.basic.SentenceTokenizer()
+
+    @property
+    def model(self) -> str:
+        return self._opts.model
+
+    @property
+    def provider(self) -> str:
+        return "qwen3-tts"
+
+    @property
+    def endpoints(self) -> EndpointPool:
+        return self._pool
+
+    def update_options(self, **kw) -> None:
+        """Change any constructor option of `_TTSOptions` (voice, language, variant, seed...)."""
+        if "language" in kw:
+            kw["language"] = normalize_language(kw["language"])
+        self._opts = replace(self._opts, **kw)
+
+    def synthesize(
+        self, text: str, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
+    ) -> ChunkedStream:
+        return ChunkedStream(tts=self, input_text=text, conn_options=conn_options)
+
+    def stream(
+        self, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
+    ) -> SynthesizeStream:
+        return SynthesizeStream(tts=self, conn_options=conn_options)
+
+    def prewarm(self) -> None:
+        asyncio.ensure_future(self._pool.probe_all())
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()
+        if self._owns_client:
+            await self._client.aclose()
+
+    # -- one sentence, with failover ---------------------------------------------------------
+
+    async def _speak(self, opts: _TTSOptions, report: SentenceReport, deliver, on_sent) -> None:
+        """Stream one sentence's PCM into `deliver`, failing over between endpoints.
+
+        After a failover the sentence is requested again from the next endpoint, with the same
+        seed, and the bytes already delivered are skipped: nothing is played twice, nothing lost.
+        """
+        seed = opts.seed if opts.seed is not None else random.randrange(2**31)
+        body = opts.request_body(report.text, seed)
+        delivered = 0
+        tried: set[str] = set()
+        t0 = time.perf_counter()
+        while True:
+            ep = await self._pool.choose(exclude=tried)
+            tried.add(ep.url)
+            report.endpoints.append(ep.url)
+            try:
+                delivered = await self._speak_once(ep, body, delivered, report, deliver, on_sent, t0)
+                report.samples = delivered // 2
+                return
+            except (httpx.TransportError, _EndpointUnavailable) as e:
+                self._pool.mark_down(ep, f"{type(e).__name__}: {e}")
+                if len(tried) >= len(self._pool):
+                    if isinstance(e, httpx.TimeoutException):
+                        raise APITimeoutError(f"Qwen3-TTS timed out at {ep.url}") from e
+                    raise APIConnectionError(f"every Qwen3-TTS endpoint failed; last: {ep.url}: {e}") from e
+                logger.warning("TTS failover from %s after %d bytes of %r", ep.url, delivered,
+                               report.text[:40])  # fmt: skip
+
+    async def _speak_once(self, ep: Endpoint, body, delivered, report, deliver, on_sent, t0) -> int:
+        ep.requests += 1
+        on_sent()  # the text goes to the model now: LiveKit's TTFB starts here
+        async with self._client.stream("POST", f"{ep.url}/v1/audio/speech", json=body,
+                                       headers=self._headers, timeout=self._timeout) as r:  # fmt: skip
+            if r.status_code in (502, 503, 504):
+                await r.aread()
+                raise _EndpointUnavailable(f"HTTP {r.status_code}: {r.text[:200]}")
+            if r.status_code != 200:
+                await r.aread()
+                raise APIStatusError(_error_message(r), status_code=r.status_code,
+                                     request_id=r.headers.get("x-request-id"), body=r.text)  # fmt: skip
+            report.variant = r.headers.get(HEADER_VARIANT)
+            received = 0
+            async for data in r.aiter_raw():
+                skip = min(len(data), max(0, delivered - received))
+                received += len(data)
+                report.skipped_bytes += skip
+                if skip < len(data):
+                    if report.first_audio_s is None:
+                        report.first_audio_s = time.perf_counter() - t0
+                    deliver(data[skip:])
+                    delivered += len(data) - skip
+        return delivered
+
+
+class _EndpointUnavailable(Exception):
+    pass
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        return r.json()["error"]["message"]
+    except Exception:
+        return r.text[:300] or f"HTTP {r.status_code}"
+
+
+class ChunkedStream(tts.ChunkedStream):
+    """Non-streaming synthesis of one text (still streamed from the engine as it is made)."""
+
+    def __init__(self, *, tts: TTS, input_text: str, conn_options: APIConnectOptions) -> None:
+        super().__init__(tts=tts, input_text=input_text, conn_options=conn_options)
+        self._tts: TTS = tts
+        self._opts = replace(tts._opts)
+        self.report = SentenceReport(input_text)
+
+    async def _run(self, output_emitter: tts.AudioEmitter) -> None:
+        output_emitter.initialize(request_id=utils.shortuuid(), sample_rate=SAMPLE_RATE,
+                                  num_channels=1, mime_type="audio/pcm")  # fmt: skip
+        self.report = SentenceReport(self.input_text)
+        await self._tts._speak(self._opts, self.report, output_emitter.push, lambda: None)
+        output_emitter.flush()
+
+
+class SynthesizeStream(tts.SynthesizeStream):
+    def __init__(self, *, tts: TTS, conn_options: APIConnectOptions) -> None:
+        super().__init__(tts=tts, conn_options=conn_options)
+        self._tts: TTS = tts
+        self._opts = replace(tts._opts)
+        self.sentences: list[SentenceReport] = []
+
+    async def _run(self, output_emitter: tts.AudioEmitter) -> None:
+        output_emitter.initialize(request_id=utils.shortuuid(), sample_rate=SAMPLE_RATE,
+                                  num_channels=1, mime_type="audio/pcm", stream=True)  # fmt: skip
+        segments: utils.aio.Chan[tokenize.SentenceStream] = utils.aio.Chan()
+
+        async def split_input() -> None:
+            stream = None
+            async for item in self._input_ch:
+                if isinstance(item, self._FlushSentinel):
+                    if stream is not None:
+                        stream.end_input()
+                    stream = None
+                    continue
+                if stream is None:
+                    stream = self._tts._tokenizer.stream()
+                    segments.send_nowait(stream)
+                stream.push_text(item)
+            if stream is not None:
+                stream.end_input()
+            segments.close()
+
+        async def speak_segments() -> None:
+            async for sentences in segments:
+                output_emitter.start_segment(segment_id=utils.shortuuid())
+                await self._speak_segment(sentences, output_emitter)
+                output_emitter.end_segment()
+
+        tasks = [asyncio.create_task(split_input()), asyncio.create_task(speak_segments())]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            await utils.aio.cancel_and_wait(*tasks)
+
+    async def _speak_segment(self, sentences: tokenize.SentenceStream, emitter) -> None:
+        """Request up to `prefetch` sentences ahead; play their audio strictly in text order."""
+        slots = asyncio.Semaphore(1 + self._opts.prefetch)
+        order: asyncio.Queue[tuple[SentenceReport, asyncio.Queue, asyncio.Task] | None] = asyncio.Queue()
+        started: list[asyncio.Task] = []
+
+        async def launch() -> None:
+            async for ev in sentences:
+                text = ev.token.strip()
+                if not text:
+                    continue
+                await slots.acquire()
+                report = SentenceReport(text)
+                self.sentences.append(report)
+                audio: asyncio.Queue[bytes | None] = asyncio.Queue()
+                task = asyncio.create_task(self._fetch(report, audio))
+                started.append(task)
+                order.put_nowait((report, audio, task))
+            order.put_nowait(None)
+
+        launcher = asyncio.create_task(launch())
+        try:
+            while (item := await order.get()) is not None:
+                _report, audio, task = item
+                while (data := await audio.get()) is not None:
+                    emitter.push(data)
+                await task  # raises the sentence's error, if any
+                slots.release()
+            await launcher
+        finally:
+            await utils.aio.cancel_and_wait(launcher, *started)
+
+    async def _fetch(self, report: SentenceReport, audio: asyncio.Queue) -> None:
+        try:
+            await self._tts._speak(self._opts, report, audio.put_nowait, self._mark_started)
+        finally:
+            audio.put_nowait(None)

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The README's test command: set up everything, check the dependency tree, run the whole suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+source .venv/openblas.env
+export LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE=0 HF_HUB_OFFLINE=1
+
+if .venv/bin/python -m pip --version >/dev/null 2>&1; then lister=(.venv/bin/python -m pip list); else lister=(.cache/uv/bin/uv pip list --python .venv/bin/python); fi
+if "${lister[@]}" 2>/dev/null | grep -iE '^(torch|torchaudio|torchvision|silero-vad)[[:space:]]'; then
+  echo "ERROR: torch (or silero-vad, which pulls it in) is in the environment; it must not be." >&2
+  exit 1
+fi
+
+.venv/bin/ruff check .
+exec .venv/bin/python -m pytest "$@"

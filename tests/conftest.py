@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny Qwen3-TTS checkpoints built once per session, isolated caches."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_engine_cache(tmp_path_factory):
+    """Quantize-on-load results go to a per-session folder, never the user's cache."""
+    path = tmp_path_factory.mktemp("qwen3-tts-cache")
+    old = os.environ.get("QWEN3_TTS_CACHE")
+    os.environ["QWEN3_TTS_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("QWEN3_TTS_CACHE", None)
+    else:
+        os.environ["QWEN3_TTS_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: tiny_checkpoint(variant="custom_voice", bits=None, seed=0, **kw) -> Path."""
+    from livekit.plugins.qwen3_tts.engine.tiny_checkpoint import write_tiny_checkpoint
+
+    built: dict[tuple, Path] = {}
+
+    def make(variant: str = "custom_voice", bits: int | None = None, seed: int = 0, **kw) -> Path:
+        key = (variant, bits, seed, tuple(sorted(kw.items())))
+        if key not in built:
+            name = f"{variant}-{bits or 'fp'}-{seed}-" + "-".join(f"{k}{v}" for k, v in sorted(kw.items()))
+            out = tmp_path_factory.mktemp("tiny") / name
+            built[key] = write_tiny_checkpoint(out, variant=variant, bits=bits, seed=seed, **kw)
+        return built[key]
+
+    return make

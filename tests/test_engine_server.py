@@ -1,0 +1,182 @@
+"""The engine server over real HTTP on 127.0.0.1, with handlers in worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import time
+import wave
+
+import httpx
+import pytest
+
+from livekit.plugins.qwen3_tts.engine.handler import Handler
+from livekit.plugins.qwen3_tts.engine.server import Engine, EngineServer, ServerConfig
+from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES, HEADER_VARIANT
+
+pytestmark = pytest.mark.slow
+API_KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+async def server(tiny_checkpoint, tmp_path_factory):
+    ref_dir = tmp_path_factory.mktemp("voices")
+    (ref_dir / "me.wav").write_bytes(b"RIFF\x24\x00\x00\x00WAVEfmt " + b"\x00" * 32)
+    engine = Engine(str(tiny_checkpoint("custom_voice")),
+                    [Handler(str(tiny_checkpoint("custom_voice")), max_queue=2)])  # fmt: skip
+    srv = EngineServer(engine, ServerConfig(port=0, api_key=API_KEY, ref_audio_dir=ref_dir,
+                                            max_body_bytes=256 * 1024))  # fmt: skip
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture
+async def client(server):
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", headers=AUTH,
+                                 timeout=httpx.Timeout(60)) as c:  # fmt: skip
+        yield c
+
+
+def body(text="Hello from the engine.", **kw):
+    return {"input": text, "voice": "ryan", "language": "en", "seed": 1, **kw}
+
+
+async def test_health_ready_models(client):
+    assert (await client.get("/health")).json() == {"status": "ok"}
+    r = await client.get("/ready")
+    assert r.status_code == 200 and r.json()["ready"]
+    data = (await client.get("/v1/models")).json()["data"][0]
+    assert "ryan" in data["voices"] and data["sample_rate"] == 24000
+
+
+async def test_streamed_pcm_arrives_before_synthesis_ends(client):
+    frames = 12  # three chunks of about 2 s each on 2 cores
+    t0 = time.perf_counter()
+    first = None
+    received = 0
+    async with client.stream("POST", "/v1/audio/speech",
+                             json=body(stream=True, response_format="pcm", max_new_tokens=frames)) as r:  # fmt: skip
+        assert r.status_code == 200
+        assert r.headers[HEADER_VARIANT]
+        async for data in r.aiter_raw():
+            first = first if first is not None else time.perf_counter() - t0
+            received += len(data)
+    total = time.perf_counter() - t0
+    assert received == frames * FRAME_SAMPLES * 2
+    # Streaming, not buffering: 3 chunks are made one after another, and the first is on the
+    # wire long before the last one is made.
+    assert first < total / 2, (first, total)
+
+
+async def test_whole_wav_response(client):
+    r = await client.post("/v1/audio/speech", json=body(max_new_tokens=6))
+    assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+    with wave.open(io.BytesIO(r.content)) as w:
+        assert w.getframerate() == 24000 and w.getnchannels() == 1
+        assert w.getnframes() == 6 * FRAME_SAMPLES
+
+
+async def test_disconnect_mid_stream_frees_the_handler_within_one_chunk(server, client):
+    handler = server.engine.active
+    async with client.stream("POST", "/v1/audio/speech",
+                             json=body(stream=True, response_format="pcm", max_new_tokens=400)) as r:  # fmt: skip
+        async for _ in r.aiter_raw():
+            break  # first chunk arrived: hang up
+    t_close = time.perf_counter()
+    while handler.in_flight and time.perf_counter() - t_close < 30:
+        await asyncio.sleep(0.01)
+    assert handler.in_flight == 0
+    stats = handler.last_stats
+    assert stats["cancelled"]
+    assert stats["frames"] < 400
+    # The next request is served normally.
+    r = await client.post("/v1/audio/speech", json=body(max_new_tokens=4, response_format="pcm"))
+    assert r.status_code == 200 and len(r.content) == 4 * FRAME_SAMPLES * 2
+
+
+async def test_killed_worker_gives_an_error_then_recovers(server, client):
+    handler = server.engine.active
+    pid = handler.pid
+    with pytest.raises(httpx.HTTPError):
+        async with client.stream("POST", "/v1/audio/speech",
+                                 json=body(stream=True, response_format="pcm", max_new_tokens=400)) as r:  # fmt: skip
+            async for _ in r.aiter_raw():
+                os.kill(pid, signal.SIGKILL)
+    # The next request waits for the restarted worker and succeeds.
+    r = await client.post("/v1/audio/speech", json=body(max_new_tokens=4, response_format="pcm"))
+    assert r.status_code == 200 and len(r.content) == 4 * FRAME_SAMPLES * 2
+    assert handler.pid != pid and handler.restarts >= 1
+
+
+HOSTILE = [
+    ("not json", b"{nope", None),
+    ("json array", b"[1,2]", None),
+    ("empty input", None, {"input": ""}),
+    ("missing input", None, {"voice": "ryan"}),
+    ("input wrong type", None, {"input": 42}),
+    ("huge input", None, {"input": "a" * 5000}),
+    ("body too large", b'{"input": "' + b"a" * 300_000 + b'"}', None),
+    ("unknown voice", None, body(voice="darth")),
+    ("unknown variant", None, body(variant="2bit")),
+    ("variant not loaded", None, body(variant="4bit")),
+    ("unknown language", None, body(language="elvish")),
+    ("bad format", None, body(response_format="mp3")),
+    ("stream not bool", None, body(stream="true")),
+    ("negative tokens", None, body(max_new_tokens=-5)),
+    ("tokens too many", None, body(max_new_tokens=10**9)),
+    ("temperature type", None, body(temperature=[1])),
+    ("top_p range", None, body(top_p=7)),
+    ("bad task type", None, body(task_type="Clone")),
+    ("wrong task type", None, body(task_type="VoiceDesign")),
+    ("path traversal", None, body(ref_audio="../../etc/passwd")),
+    ("absolute path", None, body(ref_audio="/etc/passwd.wav")),
+    ("url ref", None, body(ref_audio="http://127.0.0.1:1/x.wav")),
+    ("ref not audio", None, body(ref_audio="aGVsbG8gd29ybGQ=")),
+    ("ref_text alone", None, body(ref_text="hi")),
+    ("unknown model", None, body(model="gpt-4o-mini-tts-x")),
+    ("speed", None, body(speed=3)),
+    ("first chunk frames", None, body(first_chunk_frames=9)),
+]
+
+
+@pytest.mark.parametrize(("name", "raw", "payload"), HOSTILE, ids=[h[0] for h in HOSTILE])
+async def test_bad_requests_get_4xx_and_server_stays_ready(client, name, raw, payload):
+    if raw is not None:
+        r = await client.post("/v1/audio/speech", content=raw,
+                              headers={**AUTH, "Content-Type": "application/json"})  # fmt: skip
+    else:
+        r = await client.post("/v1/audio/speech", json=payload)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text)
+    assert r.json()["error"]["message"]
+    assert (await client.get("/ready")).status_code == 200
+
+
+async def test_auth_is_required(server):
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as c:
+        assert (await c.post("/v1/audio/speech", json=body())).status_code == 401
+        bad = {"Authorization": "Bearer wrong"}
+        assert (await c.post("/v1/audio/speech", json=body(), headers=bad)).status_code == 401
+        assert (await c.get("/health")).status_code == 200
+
+
+async def test_full_queue_answers_429_with_retry_after(client):
+    long = body(stream=False, response_format="pcm", max_new_tokens=8)
+    tasks = [asyncio.create_task(client.post("/v1/audio/speech", json=long)) for _ in range(2)]
+    await asyncio.sleep(0.3)  # one in flight, one waiting: the queue (max 2) is full... almost
+    extra = [asyncio.create_task(client.post("/v1/audio/speech", json=long)) for _ in range(2)]
+    statuses = sorted(r.status_code for r in await asyncio.gather(*tasks, *extra))
+    assert statuses.count(200) >= 2 and 429 in statuses
+    rejected = [r for r in [t.result() for t in extra] if r.status_code == 429]
+    assert rejected[0].headers["Retry-After"]
+
+
+async def test_metrics_exposes_latency_and_memory(client):
+    text = (await client.get("/metrics")).text
+    for name in ("qwen3_tts_first_audio_seconds_count", "qwen3_tts_chunk_compute_seconds",
+                 "qwen3_tts_queue_wait_seconds", "qwen3_tts_requests_total",
+                 "qwen3_tts_active_variant", 'qwen3_tts_worker_memory_bytes{kind="rss"'):  # fmt: skip
+        assert name in text, name

