@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from aiohttp import web
 from livekit.agents import APIConnectionError, APIStatusError
-
 from livekit.plugins import qwen3_tts
+
 from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES
 
 from .engine_process import EngineProcess, free_port
@@ -127,7 +127,9 @@ async def test_failover_mid_utterance_loses_and_repeats_nothing(tiny_checkpoint)
         reports = stream.sentences
         assert [r.samples for r in reports] == [frames * FRAME_SAMPLES] * 3  # each heard once
         assert reports[0].endpoints == [a.url, b.url] and reports[0].skipped_bytes > 0
-        assert all(r.endpoints == [b.url] for r in reports[1:])
+        # Sentence 2 may have been prefetched on a (queued behind sentence 1) before a died.
+        assert reports[1].endpoints in ([b.url], [a.url, b.url])
+        assert reports[2].endpoints == [b.url]
         assert len(audio) == 3 * frames * FRAME_SAMPLES
         # Same seed and checkpoint on both engines: the finished audio equals an uncut run.
         reference = np.concatenate([await _sentence_audio(tts, s) for s in SENTENCES])

@@ -30,6 +30,8 @@ from .log import logger
 from .protocol import HEADER_VARIANT, SAMPLE_RATE, normalize_language
 
 DEFAULT_URL = "http://127.0.0.1:8880"
+# Local prefill of a long sentence can take seconds; connecting should not.
+DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 Protocol = Literal["qwen3-tts", "vllm-omni"]
 _TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
 
@@ -77,11 +79,15 @@ class SentenceReport:
     """What happened to one sentence: for logs, metrics and tests."""
 
     text: str
-    samples: int = 0
+    delivered_bytes: int = 0
     endpoints: list[str] = field(default_factory=list)
     variant: str | None = None
     first_audio_s: float | None = None
     skipped_bytes: int = 0  # audio re-synthesized after a failover but not played again
+
+    @property
+    def samples(self) -> int:
+        return self.delivered_bytes // 2
 
 
 class TTS(tts.TTS):
@@ -107,7 +113,7 @@ class TTS(tts.TTS):
         first_chunk_frames: int = 4,
         protocol: Protocol = "qwen3-tts",
         prefetch: int = 1,
-        timeout: httpx.Timeout | float = httpx.Timeout(60.0, connect=5.0),
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
         probe_interval: float = 2.0,
         tokenizer: tokenize.SentenceTokenizer | None = None,
         http_client: httpx.AsyncClient | None = None,
@@ -198,7 +204,6 @@ class TTS(tts.TTS):
         """
         seed = opts.seed if opts.seed is not None else random.randrange(2**31)
         body = opts.request_body(report.text, seed)
-        delivered = 0
         tried: set[str] = set()
         t0 = time.perf_counter()
         while True:
@@ -206,8 +211,7 @@ class TTS(tts.TTS):
             tried.add(ep.url)
             report.endpoints.append(ep.url)
             try:
-                delivered = await self._speak_once(ep, body, delivered, report, deliver, on_sent, t0)
-                report.samples = delivered // 2
+                await self._speak_once(ep, body, report, deliver, on_sent, t0)
                 return
             except (httpx.TransportError, _EndpointUnavailable) as e:
                 self._pool.mark_down(ep, f"{type(e).__name__}: {e}")
@@ -215,10 +219,10 @@ class TTS(tts.TTS):
                     if isinstance(e, httpx.TimeoutException):
                         raise APITimeoutError(f"Qwen3-TTS timed out at {ep.url}") from e
                     raise APIConnectionError(f"every Qwen3-TTS endpoint failed; last: {ep.url}: {e}") from e
-                logger.warning("TTS failover from %s after %d bytes of %r", ep.url, delivered,
-                               report.text[:40])  # fmt: skip
+                logger.warning("TTS failover from %s after %d samples of %r", ep.url,
+                               report.samples, report.text[:40])  # fmt: skip
 
-    async def _speak_once(self, ep: Endpoint, body, delivered, report, deliver, on_sent, t0) -> int:
+    async def _speak_once(self, ep: Endpoint, body, report: SentenceReport, deliver, on_sent, t0) -> None:
         ep.requests += 1
         on_sent()  # the text goes to the model now: LiveKit's TTFB starts here
         async with self._client.stream("POST", f"{ep.url}/v1/audio/speech", json=body,
@@ -233,15 +237,15 @@ class TTS(tts.TTS):
             report.variant = r.headers.get(HEADER_VARIANT)
             received = 0
             async for data in r.aiter_raw():
-                skip = min(len(data), max(0, delivered - received))
+                # Bytes up to report.delivered_bytes were played from an endpoint that died.
+                skip = min(len(data), max(0, report.delivered_bytes - received))
                 received += len(data)
                 report.skipped_bytes += skip
                 if skip < len(data):
                     if report.first_audio_s is None:
                         report.first_audio_s = time.perf_counter() - t0
                     deliver(data[skip:])
-                    delivered += len(data) - skip
-        return delivered
+                    report.delivered_bytes += len(data) - skip
 
 
 class _EndpointUnavailable(Exception):
@@ -269,7 +273,6 @@ class ChunkedStream(tts.ChunkedStream):
                                   num_channels=1, mime_type="audio/pcm")  # fmt: skip
         self.report = SentenceReport(self.input_text)
         await self._tts._speak(self._opts, self.report, output_emitter.push, lambda: None)
-        output_emitter.flush()
 
 
 class SynthesizeStream(tts.SynthesizeStream):
