@@ -239,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model")
     d.add_argument("--text", default="Hello! This is the Qwen3 TTS engine, streaming in chunks.")
     d.add_argument("--out", default="out/demo.wav")
+    d.add_argument("--max-new-tokens", type=int, help="frame cap (default: from the text; 25 "
+                   "for the tiny random checkpoint)")
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=cmd_demo)
 

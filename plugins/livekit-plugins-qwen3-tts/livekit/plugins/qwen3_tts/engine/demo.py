@@ -19,7 +19,7 @@ from .handler import Handler
 from .server import Engine, EngineServer, ServerConfig
 
 
-async def _demo(model: str, text: str, out: Path) -> dict:
+async def _demo(model: str, text: str, out: Path, max_new_tokens: int | None) -> dict:
     server = EngineServer(Engine(model, [Handler(model)]), ServerConfig(port=0))
     t0 = time.perf_counter()
     print(f"starting the engine server ({model}) ...", file=sys.stderr)
@@ -27,7 +27,8 @@ async def _demo(model: str, text: str, out: Path) -> dict:
     start_s = time.perf_counter() - t0
     try:
         url = f"http://127.0.0.1:{server.port}/v1/audio/speech"
-        payload = {"input": text, "response_format": "pcm", "stream": True, "language": "en", "seed": 0}
+        payload = {"input": text, "response_format": "pcm", "stream": True, "language": "en",
+                   "seed": 0, "max_new_tokens": max_new_tokens}  # fmt: skip
         pcm = bytearray()
         sizes: list[int] = []
         t1 = time.perf_counter()
@@ -61,11 +62,13 @@ async def _demo(model: str, text: str, out: Path) -> dict:
 def run_demo(args) -> int:
     from ..cli import TINY_WARNING, default_tiny_checkpoint
 
-    model = args.model
+    model, max_new_tokens = args.model, args.max_new_tokens
     if not model:
         print(TINY_WARNING, file=sys.stderr)
         model = str(default_tiny_checkpoint())
-    report = asyncio.run(_demo(model, args.text, Path(args.out)))
+        # Random weights never say "stop": bound the noise to 2 s of audio by default.
+        max_new_tokens = max_new_tokens or 25
+    report = asyncio.run(_demo(model, args.text, Path(args.out), max_new_tokens))
     if args.json:
         print(json.dumps(report, indent=2))
     else:

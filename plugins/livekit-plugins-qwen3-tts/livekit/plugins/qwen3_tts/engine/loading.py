@@ -6,10 +6,12 @@ made of the source's content digest and the recipe, so the next load is a plain 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -142,7 +144,9 @@ def load(source: ModelSource, *, progress: bool = True):
 
     t0 = time.perf_counter()
     path, cached = prepare(source, progress=progress)
-    model = load_model(path)
+    # mlx-audio prints progress to stdout; keep stdout clean for `--json` output.
+    with contextlib.redirect_stdout(sys.stderr):
+        model = load_model(path)
     if model.tokenizer is None or model.speech_tokenizer is None:
         raise RuntimeError(f"{path}: the text tokenizer or speech tokenizer failed to load")
     return model, {
