@@ -86,13 +86,11 @@ def _direct_first_audio(model: str, repeats: int, queue) -> None:
 async def _http_first_audio(url: str, body: dict) -> float:
     async with httpx.AsyncClient(timeout=600) as c:
         t0 = time.perf_counter()
+        first = None
         async with c.stream("POST", url, json=body) as r:
             r.raise_for_status()
             async for _ in r.aiter_raw():
-                first = time.perf_counter() - t0
-                break
-            async for _ in r.aiter_raw():
-                pass
+                first = first if first is not None else time.perf_counter() - t0
     return first
 
 

@@ -109,7 +109,7 @@ _CORPUS_REPEATS = 8
 _ROLE_WORDS = ("assistant", "user", "system")
 
 
-def _talker_config(variant: str, talker_layers: int) -> dict[str, Any]:
+def _talker_config(variant: str, talker_layers: int, intermediate_size: int = 128) -> dict[str, Any]:
     languages = dict(_LANGUAGES)
     if variant == "custom_voice":
         languages.update(_DIALECTS)
@@ -150,7 +150,7 @@ def _talker_config(variant: str, talker_layers: int) -> dict[str, Any]:
         "head_dim": 16,
         "hidden_act": "silu",
         "hidden_size": 64,
-        "intermediate_size": 128,
+        "intermediate_size": intermediate_size,
         "max_position_embeddings": 32768,
         "model_type": "qwen3_tts_talker",
         "num_attention_heads": 4,
@@ -179,7 +179,11 @@ def _talker_config(variant: str, talker_layers: int) -> dict[str, Any]:
 
 
 def tiny_config(
-    variant: str = "custom_voice", *, talker_layers: int = 2, tts_model_size: str = "0b6"
+    variant: str = "custom_voice",
+    *,
+    talker_layers: int = 2,
+    tts_model_size: str = "0b6",
+    talker_intermediate_size: int = 128,
 ) -> dict[str, Any]:
     """The root config.json of a tiny checkpoint (before any quantization entry).
 
@@ -190,6 +194,8 @@ def tiny_config(
         raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
     if talker_layers < 1:
         raise ValueError("talker_layers must be >= 1")
+    if talker_intermediate_size < 64 or talker_intermediate_size % 64:
+        raise ValueError("talker_intermediate_size must be a positive multiple of 64")
     return {
         "architectures": ["Qwen3TTSForConditionalGeneration"],
         "assistant_token_id": 77091,
@@ -208,7 +214,7 @@ def tiny_config(
             "mel_dim": 128,
             "sample_rate": 24000,
         },
-        "talker_config": _talker_config(variant, talker_layers),
+        "talker_config": _talker_config(variant, talker_layers, talker_intermediate_size),
         "tokenizer_type": "qwen3_tts_tokenizer_12hz",
         "torch_dtype": "bfloat16",
         "transformers_version": "4.57.3",
@@ -515,7 +521,7 @@ def _train_bpe() -> tuple[dict[str, int], list[str]]:
     return vocab, merges
 
 
-def _write_tokenizer(out: Path) -> None:
+def write_tokenizer(out: Path) -> None:
     vocab, merges = _train_bpe()
     # Pad the vocabulary with unreachable tokens to the real size (151643 entries), so that
     # the added tokens get the ids that config.json refers to (<|im_start|> = 151644, ...).
@@ -571,6 +577,7 @@ def write_tiny_checkpoint(
     eos: bool = False,
     talker_layers: int = 2,
     tts_model_size: str = "0b6",
+    talker_intermediate_size: int = 128,
 ) -> Path:
     """Write a random tiny checkpoint to `out_dir` (created; files in it are overwritten).
 
@@ -581,6 +588,8 @@ def write_tiny_checkpoint(
     `eos=False` zeroes the EOS row of the talker's codec head, so that with the default top-k
     sampling a stream always runs to `max_tokens` frames. `talker_layers` sets the talker depth;
     `tts_model_size` "1b7" makes CustomVoice honour `instruct` (mlx-audio drops it for "0b6").
+    A large `talker_intermediate_size` makes the quantizable weights dominate a worker's memory
+    (the memory-governor tests).
     Same arguments, same bytes (mlx's global random state is advanced by module constructors).
     """
     import mlx.core as mx
@@ -599,7 +608,8 @@ def write_tiny_checkpoint(
         raise ValueError(f"bits must be one of {QUANT_BITS} or None, got {bits!r}")
     if group_size not in (32, 64):
         raise ValueError("group_size must be 32 or 64 (the tiny layers are 64 or 128 wide)")
-    config = tiny_config(variant, talker_layers=talker_layers, tts_model_size=tts_model_size)
+    config = tiny_config(variant, talker_layers=talker_layers, tts_model_size=tts_model_size,
+                         talker_intermediate_size=talker_intermediate_size)
     st_config = _speech_tokenizer_config()
 
     out = Path(out_dir)
@@ -635,7 +645,7 @@ def write_tiny_checkpoint(
     (out / "generation_config.json").write_text(
         json.dumps(_GENERATION_CONFIG, indent=2) + "\n", encoding="utf-8"
     )
-    _write_tokenizer(out)
+    write_tokenizer(out)
 
     # --- speech tokenizer, as shipped next to the model (PyTorch layout, float32)
     tok_cfg = Qwen3TTSTokenizerConfig(

@@ -1,0 +1,72 @@
+"""An OpenAI-compatible chat server on loopback that speaks the real streaming protocol (SSE).
+
+It stands in for the LLM only (no useful instruct model can be had offline): the first turn asks
+for the `get_current_time` tool, and after the tool's result it answers with scripted text.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from aiohttp import web
+
+
+class ScriptedChatServer:
+    def __init__(self, answer: str = "It is noon. Anything else I can do for you?", *,
+                 use_tool: bool = True, fail: bool = False) -> None:  # fmt: skip
+        self.answer = answer
+        self.use_tool = use_tool
+        self.fail = fail
+        self.requests: list[dict] = []
+        self.runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    async def start(self) -> ScriptedChatServer:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self.runner:
+            await self.runner.cleanup()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "scripted", "object": "model"}]})
+
+    def _chunk(self, delta: dict, finish: str | None = None) -> bytes:
+        body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": "scripted", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+        return f"data: {json.dumps(body)}\n\n".encode()
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        if self.fail:
+            return web.json_response({"error": {"message": "model overloaded"}}, status=500)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        had_tool_result = any(m.get("role") == "tool" for m in body["messages"])
+        if self.use_tool and body.get("tools") and not had_tool_result:
+            call = {"index": 0, "id": "call_1", "type": "function",
+                    "function": {"name": "get_current_time", "arguments": "{}"}}  # fmt: skip
+            await resp.write(self._chunk({"role": "assistant", "tool_calls": [call]}))
+            await resp.write(self._chunk({}, "tool_calls"))
+        else:
+            await resp.write(self._chunk({"role": "assistant", "content": ""}))
+            for word in self.answer.split(" "):
+                await resp.write(self._chunk({"content": word + " "}))
+            await resp.write(self._chunk({}, "stop"))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
