@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The README's run command: set up everything, then run the main job.
+# The README's run command: set up everything, then run the main job (the voice-agent demo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 source .venv/openblas.env
 export LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE=0
-exec .venv/bin/qwen3-tts demo "$@"
+exec .venv/bin/voice-agent demo "$@"

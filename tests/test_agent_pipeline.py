@@ -74,6 +74,11 @@ async def test_turn_with_tool_call_end_to_end(engine):
     for name in ("end_of_turn_delay_s", "transcription_delay_s", "llm_ttft_s", "tts_ttfb_s",
                  "e2e_latency_s", "voice_to_voice_s", "stt_s"):  # fmt: skip
         assert getattr(report, name) is not None and getattr(report, name) >= 0, name
+    # ...and exported to Prometheus
+    from prometheus_client import REGISTRY
+
+    assert REGISTRY.get_sample_value("voice_agent_e2e_latency_seconds_count") >= 1
+    assert REGISTRY.get_sample_value("voice_agent_llm_node_ttft_seconds_count") >= 1
 
 
 async def test_barge_in_stops_agent_audio_and_cancels_tts(engine):

@@ -28,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", type=Path, default=Path("out/agent-reply.wav"))
     d.add_argument("--json", action="store_true", help="machine-readable report")
     add_arguments(d)
+    b = sub.add_parser("bench", help="latency the pipeline adds; TTS under LLM contention (JSON)")
+    b.add_argument("--turns", type=int, default=10)
+    b.add_argument("--tts-requests", type=int, default=8)
+    b.add_argument("--out", type=Path)
+    add_arguments(b)
     sub.add_parser("settings", help="print the settings table (Markdown)")
     return p
 
@@ -44,10 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "settings":
         print(markdown_table())
         return 0
-    settings = from_args(args)
     from .demo import run_demo
+    from .local_services import resolve_offline
+
+    settings = resolve_offline(from_args(args))
 
     try:
+        if args.command == "bench":
+            from .bench import run_bench
+
+            return run_bench(settings, args.turns, args.tts_requests, args.out)
         return run_demo(settings, args.wav, args.out, args.json)
     except (RuntimeError, TimeoutError, FileNotFoundError) as e:
         print(f"voice-agent: error: {e}", file=sys.stderr)

@@ -17,6 +17,7 @@ import numpy as np
 from .audio_io import CaptureAudioOutput, PacedAudioInput
 from .conversation import Conversation, TurnReport
 from .local_services import RANDOM_LLM, RANDOM_TTS, ensure_llm, ensure_tts_engine
+from .observability import TurnMetrics, start_metrics_server
 from .pipeline import VoiceAgent, build_session, build_stt
 from .settings import Settings
 
@@ -37,7 +38,13 @@ def load_turn_audio(path: Path | None) -> np.ndarray:
         frames = resampler.push(rtc.AudioFrame(samples.tobytes(), rate, 1, len(samples)))
         frames += resampler.flush()
         samples = np.concatenate([np.frombuffer(bytes(f.data), np.int16) for f in frames])
-    return samples
+    return trim_silence(samples)
+
+
+def trim_silence(samples: np.ndarray, threshold: float = 0.02) -> np.ndarray:
+    """Cut leading/trailing silence, so that "the last sample sent" is the end of speech."""
+    loud = np.flatnonzero(np.abs(samples.astype(np.int32)) > threshold * 32767)
+    return samples[loud[0] : loud[-1] + 1] if len(loud) else samples
 
 
 async def run_turns(settings: Settings, turns: list[np.ndarray], *, tts_url: str, llm_url: str,
@@ -48,6 +55,8 @@ async def run_turns(settings: Settings, turns: list[np.ndarray], *, tts_url: str
     await asyncio.to_thread(stt.load)  # as a worker's prewarm does: not on the first turn
     session = build_session(settings, tts_url=tts_url, llm_url=llm_url, stt=stt, echo_free=True)
     conversation = Conversation(session, PacedAudioInput(INPUT_RATE), CaptureAudioOutput(24000))
+    TurnMetrics(session)
+    metrics_server = await start_metrics_server(settings.metrics_port) if settings.metrics_port else None
     agent = agent or VoiceAgent(settings.instructions)
     await session.start(agent)
     if on_start is not None:
@@ -57,6 +66,8 @@ async def run_turns(settings: Settings, turns: list[np.ndarray], *, tts_url: str
     finally:
         await session.aclose()
         await conversation.audio_in.aclose()
+        if metrics_server is not None:
+            await metrics_server.cleanup()
 
 
 def write_replies(path: Path, reports: list[TurnReport]) -> None:

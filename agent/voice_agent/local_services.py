@@ -84,6 +84,28 @@ class _HostLock:
         self.fh.close()
 
 
+def hub_reachable(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
+    """Whether model downloads can work at all (a TCP connection to the hub)."""
+    import socket
+
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def resolve_offline(settings: Settings) -> Settings:
+    """Settings with `offline` set when the hub cannot be reached, saying so once."""
+    from dataclasses import replace
+
+    if settings.offline or hub_reachable():
+        return settings
+    logger.warning("no network to the model hub: using bundled and generated models")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return replace(settings, offline=True)
+
+
 def hub_model_available(model: str, offline: bool) -> bool:
     """True if `model` is a local directory, or a hub id we may download."""
     return Path(model).expanduser().is_dir() or not offline

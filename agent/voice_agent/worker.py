@@ -14,7 +14,8 @@ from urllib.parse import urlparse
 
 from livekit.agents import AgentServer, JobContext, JobProcess, cli
 
-from .local_services import ensure_llm, ensure_tts_engine
+from .local_services import ensure_llm, ensure_tts_engine, resolve_offline
+from .observability import TurnMetrics
 from .pipeline import VoiceAgent, build_session, build_stt
 from .settings import Settings
 
@@ -37,6 +38,7 @@ async def entrypoint(ctx: JobContext) -> None:
     settings = Settings.load()
     session = build_session(settings, tts_url=os.environ["TTS_URL"], llm_url=os.environ["LLM_BASE_URL"],
                             vad=ctx.proc.userdata["vad"], stt=ctx.proc.userdata["stt"])  # fmt: skip
+    TurnMetrics(session)  # one log line per turn, with LiveKit's per-turn latencies
     await session.start(agent=VoiceAgent(settings.instructions), room=ctx.room)
 
 
@@ -74,7 +76,9 @@ def run_worker(argv: list[str]) -> int:
         if problem:
             print(f"voice-agent: {problem}", file=sys.stderr)
             return 1
-    settings = Settings.load()
+    settings = resolve_offline(Settings.load())
+    if settings.offline:
+        os.environ["VOICE_AGENT_OFFLINE"] = "1"  # job processes pick the bundled STT model too
     tts = ensure_tts_engine(settings)
     llm = ensure_llm(settings)
     for service in (tts, llm):
