@@ -1,4 +1,4 @@
-"""`qwen3-tts` command line: tiny-checkpoint, serve, say, bench, demo.
+"""`qwen3-tts` command line: tiny-checkpoint, serve, variant, say, bench, demo.
 
 Everything but `say --server` needs the `mlx` extra (`pip install livekit-plugins-qwen3-tts[mlx]`).
 """
@@ -69,20 +69,37 @@ def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
 # -- serve ------------------------------------------------------------------------------------
 
 
+def _policy(args: argparse.Namespace):
+    from .engine.policy import Policy
+
+    ladder = tuple(v.strip() for v in args.ladder.split(",") if v.strip())
+    return Policy(ladder=ladder, downgrade_at=args.downgrade_at, upgrade_at=args.upgrade_at,
+                  downgrade_hold_s=args.downgrade_hold, upgrade_hold_s=args.upgrade_hold,
+                  cooldown_s=args.cooldown, critical_at=args.critical_at, mode=args.swap_mode)  # fmt: skip
+
+
 def build_server(args: argparse.Namespace):
+    from .engine.governor import Governor
     from .engine.handler import Handler
+    from .engine.memory import detect_probe
     from .engine.server import Engine, EngineServer, ServerConfig
     from .protocol import Limits
 
     model = args.model or str(default_tiny_checkpoint())
-    variants = args.variant or [None]
+    policy = _policy(args)
+    # An explicit ladder without --variant starts at its top; otherwise the model's default.
+    variants = args.variant or ([policy.ladder[0]] if args.ladder_given else [None])
     handlers = [Handler(model, v, max_queue=args.max_queue) for v in variants]
     config = ServerConfig(
         host=args.host, port=args.port, api_key=os.environ.get("QWEN3_TTS_API_KEY") or None,
         ref_audio_dir=Path(args.ref_audio_dir) if args.ref_audio_dir else None,
         limits=Limits(max_input_chars=args.max_input_chars), max_queue=args.max_queue,
     )  # fmt: skip
-    return EngineServer(Engine(model, handlers), config)
+    engine = Engine(model, handlers)
+    governor = Governor(engine, detect_probe(args.memory_source), policy,
+                        interval_s=args.governor_interval, drain_deadline_s=args.drain_deadline,
+                        auto=not args.no_governor)  # fmt: skip
+    return EngineServer(engine, config, governor)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -96,6 +113,42 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+# -- variant ----------------------------------------------------------------------------------
+
+
+def cmd_variant(args: argparse.Namespace) -> int:
+    """Show the governor's state, or swap the engine to a variant (pinned) / back to "auto"."""
+    import httpx
+
+    headers = {}
+    if os.environ.get("QWEN3_TTS_API_KEY"):
+        headers["Authorization"] = f"Bearer {os.environ['QWEN3_TTS_API_KEY']}"
+    base = args.server.rstrip("/")
+    timeout = httpx.Timeout(args.timeout, connect=10)
+    if args.name is None:
+        r = httpx.get(f"{base}/v1/engine/status", headers=headers, timeout=timeout)
+    else:
+        body = {"variant": args.name, "mode": args.mode, "pin": not args.no_pin}
+        r = httpx.post(f"{base}/v1/engine/variant", json=body, headers=headers, timeout=timeout)
+    try:
+        data = r.json()
+    except ValueError:
+        data = {"error": {"message": r.text}}
+    if r.status_code >= 400 and "error" in data:
+        print(f"qwen3-tts: server answered {r.status_code}: {data['error']['message']}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    out = data.get("governor", data) if args.name is None else data
+    if args.json or args.name is None:
+        print(json.dumps(out, indent=2))
+    else:
+        swap = data.get("swap")
+        done = (f"swapped {swap['from_variant']} -> {swap['to_variant']} ({swap['mode']}) in "
+                f"{swap['latency_s']:.2f}s") if swap else "no swap needed"  # fmt: skip
+        print(f"{done}; active variant {data['active_variant']}, pinned: {data['pinned']}")
+    return 0 if r.status_code < 400 else 1
 
 
 # -- say --------------------------------------------------------------------------------------
@@ -193,9 +246,54 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     _need_mlx()
+    if args.what == "swap":
+        from .engine.bench_swap import run_swap_bench
+
+        return run_swap_bench(args)
     from .engine.bench import run_bench
 
     return run_bench(args)
+
+
+class _Given(argparse.Action):
+    """Stores the value and notes that it was given (defaults come from the Policy)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
+def _add_governor_options(s: argparse.ArgumentParser) -> None:
+    from .engine.policy import MODES, Policy
+
+    d = Policy()
+    g = s.add_argument_group("memory-pressure governor (README: Memory-pressure governor)")
+    g.add_argument("--ladder", default=",".join(d.ladder), action=_Given,
+                   help=f"variants from largest to smallest (default {','.join(d.ladder)}); "
+                   "without --variant the engine starts at the first")
+    g.set_defaults(ladder_given=False)
+    g.add_argument("--downgrade-at", type=float, default=d.downgrade_at,
+                   help=f"used fraction of the memory limit that moves down (default {d.downgrade_at})")
+    g.add_argument("--upgrade-at", type=float, default=d.upgrade_at,
+                   help=f"used fraction below which it moves back up (default {d.upgrade_at})")
+    g.add_argument("--downgrade-hold", type=float, default=d.downgrade_hold_s, metavar="S",
+                   help=f"seconds above --downgrade-at before moving (default {d.downgrade_hold_s})")
+    g.add_argument("--upgrade-hold", type=float, default=d.upgrade_hold_s, metavar="S",
+                   help=f"seconds below --upgrade-at before moving (default {d.upgrade_hold_s})")
+    g.add_argument("--cooldown", type=float, default=d.cooldown_s, metavar="S",
+                   help=f"seconds after a swap before the next (default {d.cooldown_s})")
+    g.add_argument("--critical-at", type=float, default=d.critical_at,
+                   help=f"used fraction that moves down at once (default {d.critical_at})")
+    g.add_argument("--swap-mode", choices=MODES, default=d.mode,
+                   help="auto: make-before-break when both workers fit (default)")
+    g.add_argument("--drain-deadline", type=float, metavar="S",
+                   help="hard deadline for utterances on a swapped-out variant (default: none)")
+    g.add_argument("--memory-source", default="auto",
+                   choices=["auto", "cgroup-v2", "cgroup-v1", "system", "macos"])
+    g.add_argument("--governor-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between memory readings (default 1.0)")
+    g.add_argument("--no-governor", action="store_true",
+                   help="no automatic swaps (POST /v1/engine/variant still works)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,7 +316,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ref-audio-dir", help="folder whose files ref_audio may name")
     s.add_argument("--max-queue", type=int, default=32)
     s.add_argument("--max-input-chars", type=int, default=4000)
+    _add_governor_options(s)
     s.set_defaults(fn=cmd_serve)
+
+    v = sub.add_parser("variant", help="show the memory governor, or swap the served variant")
+    v.add_argument("name", nargs="?", metavar="VARIANT",
+                   help='variant to swap to (pinned), or "auto" to let the governor decide; '
+                   "omit to print the governor's status")
+    v.add_argument("--server", required=True, help="engine URL, e.g. http://127.0.0.1:8880")
+    v.add_argument("--mode", choices=["auto", "make-before-break", "break-before-make"],
+                   default="auto")
+    v.add_argument("--no-pin", action="store_true",
+                   help="let the governor move away from it again")
+    v.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the swap")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(fn=cmd_variant)
 
     y = sub.add_parser("say", help="synthesize one text in-process or through a server")
     y.add_argument("text")
@@ -244,7 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=cmd_demo)
 
-    b = sub.add_parser("bench", help="benchmarks (JSON)")
+    b = sub.add_parser("bench", help="benchmarks (JSON): engine (default) or swap")
+    b.add_argument("what", nargs="?", choices=["engine", "swap"], default="engine",
+                   help="engine: per-variant latency and memory; swap: governor swap latency, "
+                   "audio gap and memory in both swap modes")
     b.add_argument("--variants", default="bf16,8bit,6bit,4bit,talker-mlp-w4")
     b.add_argument("--model", help="checkpoint (default: a tiny random one)")
     b.add_argument("--repeats", type=int, default=5)

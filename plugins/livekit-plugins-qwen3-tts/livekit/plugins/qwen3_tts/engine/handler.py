@@ -8,6 +8,7 @@ handlers; the server routes requests to them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import multiprocessing as mp
 import threading
@@ -24,6 +25,10 @@ _ids = itertools.count(1)
 
 class HandlerError(RuntimeError):
     """Synthesis failed for a reason that is not the client's (worker died, load failed)."""
+
+
+class HandlerDraining(HandlerError):
+    """The handler stopped taking work before this request started: route it to another one."""
 
 
 class RequestRejected(ValueError):
@@ -74,12 +79,14 @@ class Handler:
         self.info: dict = {}
         self.restarts = 0
         self.last_stats: dict | None = None  # the worker's stats of the last finished synthesis
+        self.history: collections.deque[dict] = collections.deque(maxlen=256)  # recent stats
         self.waiting = 0
         self.in_flight = 0
         self._lock = asyncio.Lock()  # FIFO: one synthesis at a time
         self._idle = asyncio.Event()
         self._idle.set()
         self._ready = asyncio.Event()
+        self._draining = asyncio.Event()  # set by drain()/stop(): queued requests leave
         self._proc: mp.process.BaseProcess | None = None
         self._conn = None
         self._inbox: asyncio.Queue = asyncio.Queue()
@@ -88,6 +95,11 @@ class Handler:
         self._stopping = False
 
     # -- lifecycle ---------------------------------------------------------------------------
+
+    def sibling(self, variant: str | None) -> Handler:
+        """A new, unstarted handler of the same model and options in `variant` (for swaps)."""
+        return Handler(self.model, variant, warmup=self.warmup, max_queue=self.max_queue,
+                       restart=self.restart, load_timeout=self.load_timeout)  # fmt: skip
 
     @property
     def variant(self) -> str | None:
@@ -105,6 +117,7 @@ class Handler:
         """Spawn the worker, load and warm the model; returns the worker's info."""
         self._loop = asyncio.get_running_loop()
         self._stopping = False
+        self._draining.clear()
         self.state = "starting"
         self._ready.clear()
         ctx = mp.get_context("spawn")
@@ -155,9 +168,11 @@ class Handler:
             self._proc.join(timeout=10)
 
     async def drain(self, timeout: float | None = None) -> None:
-        """Stop taking new work; wait for queued and in-flight syntheses to finish."""
+        """Stop taking new work; wait for the in-flight synthesis to finish. Queued requests
+        that have not started leave with HandlerDraining (the engine routes them elsewhere)."""
         if self.state == "ready":
             self.state = "draining"
+        self._draining.set()
         t_end = None if timeout is None else time.monotonic() + timeout
         while self.queue_depth:
             remaining = None if t_end is None else max(0.0, t_end - time.monotonic())
@@ -168,11 +183,14 @@ class Handler:
                                self.name, self.queue_depth)  # fmt: skip
                 return
 
-    async def stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
-        """Drain (optionally), then end the worker process so its memory returns to the system."""
+    async def stop(self, *, drain: bool = True, timeout: float | None = None,
+                   grace: float = 10.0) -> None:  # fmt: skip
+        """Drain (optionally), then end the worker process so its memory returns to the system;
+        a worker still busy after `grace` seconds is killed."""
         if drain:
             await self.drain(timeout)
         self._stopping = True
+        self._draining.set()
         if self._restart_task:
             self._restart_task.cancel()
         if self._conn is not None and self._proc is not None and self._proc.is_alive():
@@ -180,7 +198,7 @@ class Handler:
                 self._conn.send(("stop",))
             except OSError:
                 pass
-            await asyncio.to_thread(self._proc.join, 10)
+            await asyncio.to_thread(self._proc.join, grace)
         self._kill()
         self.state = "stopped"
         self._ready.clear()
@@ -218,7 +236,7 @@ class Handler:
     ) -> AsyncIterator[AudioChunk]:
         """Stream audio chunks for `req`. Closing the iterator early cancels the synthesis."""
         if self.state in ("draining", "stopped"):
-            raise HandlerError(f"handler {self.name} is {self.state}")
+            raise HandlerDraining(f"handler {self.name} is {self.state}")
         if self.waiting >= self.max_queue:
             raise QueueFull(f"{self.waiting} requests are already waiting")
         result = result if result is not None else Result()
@@ -226,20 +244,42 @@ class Handler:
         self.waiting += 1
         self._idle.clear()
         try:
-            async with self._lock:
+            try:
+                await self._take_turn()
+            finally:
                 self.waiting -= 1
-                self.in_flight += 1
-                try:
-                    await asyncio.wait_for(self._ready.wait(), self.load_timeout)
-                    result.queue_wait_s = time.perf_counter() - t0
-                    result.variant = self.variant
-                    async for chunk in self._run(req, ref_audio, result, t0):
-                        yield chunk
-                finally:
-                    self.in_flight -= 1
+            self.in_flight += 1
+            try:
+                await asyncio.wait_for(self._ready.wait(), self.load_timeout)
+                result.queue_wait_s = time.perf_counter() - t0
+                result.variant = self.variant
+                async for chunk in self._run(req, ref_audio, result, t0):
+                    yield chunk
+            finally:
+                self.in_flight -= 1
+                self._lock.release()
         finally:
             if self.queue_depth == 0:
                 self._idle.set()
+
+    async def _take_turn(self) -> None:
+        """Wait for the FIFO lock; leave the queue with HandlerDraining as soon as the handler
+        drains, so a swap's new handler serves queued requests without waiting for this one."""
+        acquire = asyncio.ensure_future(self._lock.acquire())
+        leave = asyncio.ensure_future(self._draining.wait())
+        try:
+            await asyncio.wait({acquire, leave}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled while queued (client went away)
+            leave.cancel()
+            if not acquire.cancel() and not acquire.cancelled() and acquire.exception() is None:
+                self._lock.release()  # it was granted in the meantime
+            raise
+        leave.cancel()
+        if acquire.cancel():  # still queued: a cancelled acquire never takes the lock
+            raise HandlerDraining(f"handler {self.name} is {self.state}")
+        if self.state in ("draining", "stopped"):
+            self._lock.release()
+            raise HandlerDraining(f"handler {self.name} is {self.state}")
 
     async def _run(self, req, ref_audio, result: Result, t0: float) -> AsyncIterator[AudioChunk]:
         req_id = f"r{next(_ids)}"
@@ -259,8 +299,8 @@ class Handler:
                     finished = True
                     self._on_death(msg[1])
                     raise HandlerError(
-                        f"the TTS worker died during synthesis (exit code {msg[1]}); "
-                        "it is being restarted"
+                        f"the TTS worker died during synthesis (exit code {msg[1]})"
+                        + ("" if self._stopping else "; it is being restarted")
                     )
                 if kind == "memory":
                     self.info["memory"] = msg[1]
@@ -275,6 +315,7 @@ class Handler:
                 elif kind == "done":
                     finished = True
                     result.stats = self.last_stats = msg[2]
+                    self.history.append(msg[2])
                     return
                 elif kind == "error":
                     finished = True
@@ -303,4 +344,6 @@ class Handler:
                 return
             if msg[0] in ("done", "error") and msg[1] == req_id:
                 self.last_stats = msg[2] if msg[0] == "done" else None
+                if self.last_stats:
+                    self.history.append(self.last_stats)
                 return

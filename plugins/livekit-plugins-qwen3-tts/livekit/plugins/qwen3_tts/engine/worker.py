@@ -75,6 +75,7 @@ def _synthesize(model, conn: Connection, pipe: _Pipe, req_id: str, body: dict, r
 
     stats = SynthesisStats()
     cancelled = False
+    compute: list[float] = []
 
     def should_stop() -> bool:
         nonlocal cancelled
@@ -88,6 +89,7 @@ def _synthesize(model, conn: Connection, pipe: _Pipe, req_id: str, body: dict, r
             model, SpeechRequest(**body), ref_audio=ref_audio, should_stop=should_stop, stats=stats
         ):
             conn.send(("chunk", req_id, _pcm16(chunk.audio), chunk.frames, chunk.compute_s))
+            compute.append(round(chunk.compute_s, 4))
             if should_stop():
                 stats.cancelled = True
                 break
@@ -103,6 +105,7 @@ def _synthesize(model, conn: Connection, pipe: _Pipe, req_id: str, body: dict, r
     conn.send(("done", req_id, {
         "frames": stats.frames, "sentences": stats.sentences, "cancelled": stats.cancelled,
         "hit_token_cap": stats.hit_token_cap, "chunk_frames": stats.chunk_frames,
+        "chunk_compute_s": compute,
         "synthesis_s": time.perf_counter() - t0,
     }))  # fmt: skip
 

@@ -1,0 +1,88 @@
+"""Variant footprints: the memory one worker of a variant takes, measured or else estimated.
+
+Measured: the worker's RSS after warm-up and while serving (the largest seen). Before a variant
+has run, it is estimated from a measured one plus the difference in weight bytes, which come from
+the checkpoint's safetensors headers and the variant's recipe (no weights are read).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from .recipes import Recipe, get_recipe, quantization_plan
+
+DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U32": 4, "I32": 4, "I64": 8, "U8": 1,
+               "I8": 1, "BOOL": 1}  # fmt: skip
+Tensors = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (shape, safetensors dtype)
+
+
+def read_safetensors_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: (tuple(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"}
+
+
+def estimate_weight_bytes(tensors: Tensors, recipe: Recipe, num_talker_layers: int) -> int:
+    """Bytes of `tensors` (full precision) once quantized with `recipe`, as mlx stores them:
+    packed weights plus one scale and one bias per group, in the weight's dtype."""
+    modules = [(name.removesuffix(".weight"), shape[-1]) for name, (shape, _) in tensors.items()
+               if name.endswith(".weight") and len(shape) == 2]  # Linear / Embedding  # fmt: skip
+    plan = quantization_plan(recipe, modules, num_talker_layers)
+    total = 0
+    for name, (shape, dtype) in tensors.items():
+        n, size = math.prod(shape), DTYPE_BYTES.get(dtype, 2)
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module in plan:
+            bits, group = plan[module]
+            total += n * bits // 8 + 2 * (n // group) * size
+        else:
+            total += n * size
+    return total
+
+
+def checkpoint_weight_bytes(model_dir: Path, variants: Iterable[str]) -> dict[str, int]:
+    """Estimated weight bytes per variant of a local full-precision checkpoint ({} otherwise)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+        if config.get("quantization") or config.get("quantization_config"):
+            return {}  # pre-quantized: only its own variant loads, and that one gets measured
+        tensors: dict = {}
+        for f in sorted(model_dir.glob("*.safetensors")):
+            tensors.update(read_safetensors_header(f))
+        layers = config["talker_config"]["num_hidden_layers"]
+        return {v: estimate_weight_bytes(tensors, get_recipe(v), layers) for v in variants}
+    except (OSError, KeyError, ValueError):
+        return {}
+
+
+class Footprints:
+    """Per-variant worker memory in bytes: measured where a worker has run, else estimated."""
+
+    def __init__(self, weight_bytes: Mapping[str, int] | None = None) -> None:
+        self.weight_bytes = dict(weight_bytes or {})
+        self.measured: dict[str, int] = {}
+
+    def observe(self, variant: str | None, memory: Mapping[str, int]) -> None:
+        rss = memory.get("rss_bytes")
+        if variant and rss:
+            self.measured[variant] = max(rss, self.measured.get(variant, 0))
+
+    def get(self, variant: str) -> int | None:
+        if variant in self.measured:
+            return self.measured[variant]
+        if variant not in self.weight_bytes:
+            return None
+        known = [m for m in self.measured if m in self.weight_bytes]
+        if not known:
+            return None
+        # Conservative: the largest estimate over the measured variants.
+        return max(self.measured[m] + self.weight_bytes[variant] - self.weight_bytes[m] for m in known)
+
+    def as_dict(self, variants: Iterable[str]) -> dict:
+        return {v: {"bytes": self.get(v), "measured": v in self.measured,
+                    "weight_bytes": self.weight_bytes.get(v)} for v in variants}  # fmt: skip

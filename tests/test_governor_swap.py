@@ -1,0 +1,229 @@
+"""The governor swapping real handlers (tiny checkpoints, worker processes) under an injected
+memory probe, with real HTTP on 127.0.0.1: no chunk lost, no request failed, the right variant."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import httpx
+import pytest
+
+from livekit.plugins.qwen3_tts.cli import main as cli_main
+from livekit.plugins.qwen3_tts.engine.governor import Governor
+from livekit.plugins.qwen3_tts.engine.handler import Handler
+from livekit.plugins.qwen3_tts.engine.memory import ManualProbe
+from livekit.plugins.qwen3_tts.engine.policy import BREAK_BEFORE_MAKE, MAKE_BEFORE_BREAK, Policy
+from livekit.plugins.qwen3_tts.engine.server import Engine, EngineServer, ServerConfig
+from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES, HEADER_VARIANT
+
+pytestmark = pytest.mark.slow
+API_KEY = "governor-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+GB = 1 << 30
+
+
+def body(frames: int, seed: int = 1, stream: bool = True) -> dict:
+    return {"input": "Hello from the governor test.", "voice": "ryan", "language": "en",
+            "seed": seed, "max_new_tokens": frames, "stream": stream, "response_format": "pcm"}  # fmt: skip
+
+
+async def start_server(model, probe, policy, **governor_kw) -> EngineServer:
+    engine = Engine(str(model), [Handler(str(model), policy.ladder[0])])
+    governor = Governor(engine, probe, policy, interval_s=0.05, **governor_kw)
+    server = EngineServer(engine, ServerConfig(port=0, api_key=API_KEY), governor)
+    await server.start()
+    return server
+
+
+class Stream:
+    """A streamed request run as a task: its variant, bytes, chunk times and how it ended."""
+
+    def __init__(self, client: httpx.AsyncClient, payload: dict) -> None:
+        self.variant: str | None = None
+        self.status: int | None = None
+        self.pcm = bytearray()
+        self.times: list[float] = []
+        self.t0 = time.perf_counter()
+        self.first = asyncio.Event()
+        self.task = asyncio.create_task(self._run(client, payload))
+
+    async def _run(self, client, payload) -> None:
+        async with client.stream("POST", "/v1/audio/speech", json=payload, headers=AUTH) as r:
+            self.status, self.variant = r.status_code, r.headers.get(HEADER_VARIANT)
+            async for data in r.aiter_raw():
+                self.pcm += data
+                self.times.append(time.perf_counter())
+                self.first.set()
+        self.first.set()
+        self.end = time.perf_counter()
+
+    async def done(self) -> Stream:
+        await self.task
+        return self
+
+
+async def wait_for_swap(governor: Governor, n: int, timeout: float = 90.0):
+    deadline = time.monotonic() + timeout
+    while len(governor.history) < n or governor.history[n - 1].ok is None:
+        assert time.monotonic() < deadline, f"no swap #{n}: {await governor.status()}"
+        await asyncio.sleep(0.05)
+    rec = governor.history[n - 1]
+    assert rec.ok, rec
+    return rec
+
+
+async def test_pressure_steps_down_while_an_utterance_streams_and_back_up(tiny_checkpoint):
+    model = tiny_checkpoint("custom_voice")
+    probe = ManualProbe(limit_bytes=64 * GB, pressure=0.3)  # room for make-before-break
+    policy = Policy(downgrade_at=0.8, upgrade_at=0.5, downgrade_hold_s=0.2, upgrade_hold_s=0.5,
+                    cooldown_s=0.5, critical_at=0.99)  # fmt: skip
+    server = await start_server(model, probe, policy)
+    gov = server.governor
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", headers=AUTH,
+                                 timeout=httpx.Timeout(180)) as c:  # fmt: skip
+        try:
+            # A short reference on bf16 with the same seed: the long utterance must start with it.
+            ref = await Stream(c, body(8)).done()
+            frames = 40
+            long = Stream(c, body(frames))
+            await long.first.wait()
+
+            probe.set(0.85)  # step 1
+            first = await wait_for_swap(gov, 1)
+            after_first = Stream(c, body(4, seed=2))
+            probe.set(0.92)  # step 2, while the long utterance still speaks on bf16
+            second = await wait_for_swap(gov, 2)
+            after_second = await Stream(c, body(4, seed=3)).done()
+            await after_first.done()
+            await long.done()
+
+            assert [(r.from_variant, r.to_variant, r.mode) for r in (first, second)] == [
+                ("bf16", "8bit", MAKE_BEFORE_BREAK), ("8bit", "4bit", MAKE_BEFORE_BREAK)]  # fmt: skip
+            # Both swaps served while the long utterance was still streaming...
+            serving_at = [r.decided_at + r.latency_s for r in (first, second)]
+            assert max(serving_at) < time.time() - (time.perf_counter() - long.end)
+            # ...and it finished on the variant it started on, every chunk in order and whole.
+            assert (long.status, long.variant) == (200, "bf16")
+            assert len(long.pcm) == frames * FRAME_SAMPLES * 2
+            assert bytes(long.pcm[: len(ref.pcm)]) == bytes(ref.pcm)
+            # Requests that start after each swap are served by the new variant.
+            assert (after_first.status, after_first.variant) == (200, "8bit")
+            assert (after_second.status, after_second.variant) == (200, "4bit")
+            assert len(after_first.pcm) == len(after_second.pcm) == 4 * FRAME_SAMPLES * 2
+
+            # Pressure falls: back up one rung at a time, each after the hold time.
+            probe.set(0.3)
+            t_low = time.monotonic()
+            up1, up2 = await wait_for_swap(gov, 3), await wait_for_swap(gov, 4)
+            assert [(r.to_variant, r.direction, r.cause) for r in (up1, up2)] == [
+                ("8bit", "up", "recovered"), ("bf16", "up", "recovered")]  # fmt: skip
+            assert time.monotonic() - t_low >= 2 * policy.upgrade_hold_s
+            back = await Stream(c, body(4, seed=4)).done()
+            assert (back.status, back.variant) == (200, "bf16")
+
+            # Old workers are gone; status and metrics tell the story.
+            for _ in range(200):
+                if not server.engine.retiring:
+                    break
+                await asyncio.sleep(0.05)
+            status = (await c.get("/v1/engine/status")).json()
+            g = status["governor"]
+            assert status["active_variant"] == "bf16" and len(status["handlers"]) == 1
+            assert g["ladder"] == ["bf16", "8bit", "4bit"] and g["position"] == 0
+            assert g["pressure"]["source"] == "manual" and g["pressure"]["pressure"] == 0.3
+            assert all(g["footprints"][v]["measured"] for v in ("bf16", "8bit", "4bit"))
+            assert [h["to_variant"] for h in g["history"]] == ["8bit", "4bit", "8bit", "bf16"]
+            assert all(h["latency_s"] > 0 and h["reason"] for h in g["history"])
+            metrics = (await c.get("/metrics")).text
+            assert 'qwen3_tts_variant_swaps_total{direction="down",mode="make-before-break",' \
+                   'reason="pressure",result="ok"} 2.0' in metrics
+            assert 'qwen3_tts_active_variant{variant="4bit"} 0.0' in metrics
+            assert "qwen3_tts_memory_pressure" in metrics and "qwen3_tts_variant_swap_seconds" in metrics
+        finally:
+            await server.stop()
+
+
+@pytest.fixture(scope="module")
+async def tight(tiny_checkpoint):
+    """An engine whose injected limit cannot hold two workers: swaps break before they make."""
+    model = tiny_checkpoint("custom_voice")
+    probe = ManualProbe(limit_bytes=1 * GB, pressure=0.5)
+    policy = Policy(downgrade_at=0.8, upgrade_at=0.1, downgrade_hold_s=0.2, cooldown_s=5.0,
+                    critical_at=0.99)  # fmt: skip
+    server = await start_server(model, probe, policy)
+    yield server, probe
+    await server.stop()
+
+
+async def test_break_before_make_swaps_without_a_failed_request(tight):
+    server, probe = tight
+    gov = server.governor
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", headers=AUTH,
+                                 timeout=httpx.Timeout(180)) as c:  # fmt: skip
+        speaking = Stream(c, body(12))
+        await speaking.first.wait()
+        queued = Stream(c, body(4, seed=2))  # waits behind it on bf16
+        await asyncio.sleep(0.2)
+        probe.set(0.9)  # 0.9 + a ~0.4 GB worker > 0.95 of 1 GB: no room for both
+        while gov.swapping is None:
+            await asyncio.sleep(0.02)
+        ready = await c.get("/ready")
+        assert ready.status_code == 503 and ready.json()["swapping"]
+        arriving = [Stream(c, body(4, seed=s)) for s in (3, 4)]  # arrive in the gap: they wait
+        rec = await wait_for_swap(gov, 1)
+        probe.set(0.6)  # the stopped bf16 worker's memory came back
+        results = [await s.done() for s in (speaking, queued, *arriving)]
+
+    assert rec.mode == BREAK_BEFORE_MAKE and (rec.from_variant, rec.to_variant) == ("bf16", "8bit")
+    assert rec.drain_s > 0.2 and rec.cut == 0  # it waited for the speaking utterance
+    assert all(r.status == 200 for r in results)
+    assert speaking.variant == "bf16" and len(speaking.pcm) == 12 * FRAME_SAMPLES * 2
+    for r in (queued, *arriving):
+        assert r.variant == "8bit" and len(r.pcm) == 4 * FRAME_SAMPLES * 2
+    assert server.engine.handlers.keys() == {"8bit"} and not server.engine.retiring
+
+
+async def test_operator_override_http_and_cli(tight, caplog):
+    server, probe = tight
+    probe.set(0.5)
+    url = f"http://127.0.0.1:{server.port}"
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(180)) as c:
+        assert (await c.post("/v1/engine/variant", json={"variant": "4bit"})).status_code == 401
+        bad = await c.post("/v1/engine/variant", json={"variant": "2bit"}, headers=AUTH)
+        assert bad.status_code == 400 and "valid variants" in bad.json()["error"]["message"]
+        bad = await c.post("/v1/engine/variant", json={"variant": "4bit", "mode": "x"}, headers=AUTH)
+        assert bad.status_code == 400
+
+        # A long utterance, and a hard drain deadline shorter than it: it is cut, and logged.
+        server.governor.drain_deadline_s = 0.5
+        try:
+            speaking = Stream(c, {**body(400), "seed": 5})
+            await speaking.first.wait()
+            with caplog.at_level(logging.INFO, logger="livekit.plugins.qwen3_tts"):
+                r = await c.post("/v1/engine/variant", headers=AUTH,
+                                 json={"variant": "4bit", "mode": "make-before-break"})  # fmt: skip
+                assert r.status_code == 200, r.text
+                swap = r.json()["swap"]
+                assert (swap["to_variant"], swap["cause"], r.json()["pinned"]) == ("4bit", "manual", "4bit")
+                with pytest.raises(httpx.HTTPError):
+                    await speaking.done()
+        finally:
+            server.governor.drain_deadline_s = None
+        assert server.governor.history[-1].cut == 1
+        assert any("hard deadline" in m for m in caplog.messages)
+        assert sum("variant swap 8bit -> 4bit" in m and "serving after" in m
+                   for m in caplog.messages) == 1  # one log line per swap  # fmt: skip
+
+        # Pinned: pressure does not move it; the CLI unpins and then reads the status.
+        probe.set(0.5)
+        assert server.governor.pinned == "4bit"
+        env = {"QWEN3_TTS_API_KEY": API_KEY}
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            assert await asyncio.to_thread(cli_main, ["variant", "--server", url, "auto"]) == 0
+        assert server.governor.pinned is None
+        status = (await c.get("/v1/engine/status", headers=AUTH)).json()["governor"]
+        assert status["automatic"] and status["active_variant"] == "4bit"
