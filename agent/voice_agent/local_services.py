@@ -116,6 +116,18 @@ def _bin(name: str) -> str:
     return str(exe) if exe.exists() else name
 
 
+def _spawn(cmd: list[str], log_name: str, ready_url: str, what: str, timeout: float,
+           env: dict | None = None) -> subprocess.Popen:  # fmt: skip
+    """Start a service in its own session (it outlives job processes), wait until it answers."""
+    log = cache_dir() / log_name
+    logger.info("starting %s: %s", what, " ".join(cmd))
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)  # fmt: skip
+    _wait(ready_url, proc, what, timeout, log)
+    return proc
+
+
 def ensure_tts_engine(settings: Settings, *, timeout: float = 900.0) -> LocalService:
     """The TTS URL to use: the configured one, a running local engine, or a new one."""
     if settings.tts_url:
@@ -132,14 +144,11 @@ def ensure_tts_engine(settings: Settings, *, timeout: float = 900.0) -> LocalSer
 
             model, variant, notes = str(default_tiny_checkpoint()), None, (RANDOM_TTS,)
             logger.warning("offline and %s is not on disk: %s", settings.tts_model, RANDOM_TTS)
-        log = cache_dir() / f"tts-engine-{settings.tts_port}.log"
         cmd = [_bin("qwen3-tts"), "serve", "--model", model, "--port", str(settings.tts_port)]
         if variant:
             cmd += ["--variant", variant]
-        logger.info("starting the local TTS engine: %s", " ".join(cmd))
-        with open(log, "ab") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-        _wait(f"{url}/ready", proc, "the TTS engine", timeout, log)
+        proc = _spawn(cmd, f"tts-engine-{settings.tts_port}.log", f"{url}/ready",
+                      "the local TTS engine", timeout)  # fmt: skip
         return LocalService("tts", url, proc, notes)
 
 
@@ -162,14 +171,10 @@ def ensure_llm(settings: Settings, *, timeout: float = 600.0) -> LocalService:
                 write_tiny_llm(path)
             model, notes = str(path), (RANDOM_LLM,)
             logger.warning("offline and %s is not on disk: %s", settings.llm_model, RANDOM_LLM)
-        log = cache_dir() / f"mlx-lm-server-{settings.llm_port}.log"
         cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--host", "127.0.0.1",
                "--port", str(settings.llm_port)]  # fmt: skip
-        logger.info("starting the local LLM: %s", " ".join(cmd))
         env = {**os.environ, "HF_HUB_OFFLINE": "1"} if settings.offline else None
-        with open(log, "ab") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                    start_new_session=True)  # fmt: skip
-        _wait(f"{url}/v1/models", proc, "mlx_lm.server", timeout, log)
+        proc = _spawn(cmd, f"mlx-lm-server-{settings.llm_port}.log", f"{url}/v1/models",
+                      "the local LLM (mlx_lm.server)", timeout, env)  # fmt: skip
         # mlx_lm.server loads the model a request names: name the one it was started with.
         return LocalService("llm", f"{url}/v1", proc, notes, model=model)
