@@ -21,7 +21,7 @@ from .settings import Settings
 
 
 def prewarm(proc: JobProcess) -> None:
-    from livekit.plugins import silero
+    from livekit.plugins import openai, silero  # noqa: F401  (importing openai later blocks a job's loop ~1 s)
 
     settings = Settings.load()
     proc.userdata["vad"] = silero.VAD.load()
@@ -70,12 +70,15 @@ def _check_audio_devices() -> str | None:
 
 def run_worker(argv: list[str]) -> int:
     command = argv[0] if argv else ""
-    if "--help" not in argv and "-h" not in argv:
-        problem = (_check_audio_devices() if command == "console"
-                   else _check_livekit_url() if command in ("start", "dev", "connect") else None)  # fmt: skip
-        if problem:
-            print(f"voice-agent: {problem}", file=sys.stderr)
-            return 1
+    if "--help" in argv or "-h" in argv:
+        sys.argv = ["voice-agent", *argv]
+        cli.run_app(server)
+        return 0
+    problem = (_check_audio_devices() if command == "console"
+               else _check_livekit_url() if command in ("start", "dev", "connect") else None)  # fmt: skip
+    if problem:
+        print(f"voice-agent: {problem}", file=sys.stderr)
+        return 1
     settings = resolve_offline(Settings.load())
     if settings.offline:
         os.environ["VOICE_AGENT_OFFLINE"] = "1"  # job processes pick the bundled STT model too

@@ -1,0 +1,259 @@
+"""The call test: a real `voice-agent start` worker on a real LiveKit server, called over WebRTC.
+
+A caller joins a room with LiveKit's Python SDK and speaks (espeak-ng, 10 ms frames in real time);
+the worker is dispatched to the room, hears it (Silero + faster-whisper tiny.en), asks the scripted
+LLM, answers with a tiny Qwen3-TTS checkpoint through the engine server, and the caller receives
+the agent's audio track and the `lk.transcription` text streams. Everything runs on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+from livekit import api, rtc
+
+from voice_agent.demo import load_turn_audio
+from voice_agent.speech_assets import speech_wav
+
+from .engine_process import EngineProcess
+from .livekit_server import livekit_server  # noqa: F401 (the fixture)
+from .openai_server import ScriptedChatServer
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:The HMAC key is .* bytes long"),
+]  # devkey/secret
+QUESTION = "What time is it right now?"
+WAIT = 120.0  # every wait in this test is bounded by this
+RATE, FRAME = 48000, 480  # 10 ms frames
+SILENT_PEAK = 64  # int16 peak at or below which a frame counts as silence
+TOPIC = "lk.transcription"
+
+
+async def _until(cond, what: str, timeout: float = WAIT, alive=None) -> float:
+    """Poll `cond()` until true; returns the monotonic time it became true."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return time.monotonic()
+        if alive is not None and (problem := alive()):
+            raise AssertionError(f"while waiting for {what}: {problem}")
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def _stop_worker(proc: subprocess.Popen) -> None:
+    """SIGTERM the worker (it drains and stops its job processes), then sweep its process group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
+
+
+async def _delete_room(server, room: str) -> None:
+    lk = api.LiveKitAPI(server.http_url, server.api_key, server.api_secret)
+    try:
+        await asyncio.wait_for(lk.room.delete_room(api.DeleteRoomRequest(room=room)), 10)
+    except Exception as e:  # the room may not exist (the caller never joined)
+        print(f"could not delete room {room}: {e}")
+    finally:
+        await lk.aclose()
+
+
+def _start_worker(env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen:
+    """`voice-agent start` in its own process group (its job processes stop with it)."""
+    exe = str(Path(sys.executable).with_name("voice-agent"))
+    with open(log, "wb") as fh:  # cwd: a temporary folder, so no .env of the repo is read
+        return subprocess.Popen([exe, "start", "--log-level", "INFO"], cwd=cwd, env=env,
+                                stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+class Caller:
+    """A participant that speaks into a microphone track and records what comes back."""
+
+    def __init__(self, identity: str) -> None:
+        self.identity = identity
+        self.room = rtc.Room()
+        self.source = rtc.AudioSource(RATE, 1, queue_size_ms=100)
+        self.mic_sid: str | None = None
+        self.transcripts: list[tuple[str, dict[str, str], str]] = []  # (sender, attributes, text)
+        self.agent_frames: list[tuple[float, int]] = []  # (monotonic time, peak)
+        self.speech_end: float | None = None
+        self._speech: np.ndarray | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.room.on("track_subscribed", self._on_track)
+        self.room.register_text_stream_handler(TOPIC, self._on_text)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_track(self, track: rtc.Track, pub, participant: rtc.RemoteParticipant) -> None:
+        if track.kind == rtc.TrackKind.KIND_AUDIO:
+            self._spawn(self._receive(track))
+
+    async def _receive(self, track: rtc.Track) -> None:
+        async for ev in rtc.AudioStream(track, sample_rate=RATE, num_channels=1):
+            samples = np.frombuffer(bytes(ev.frame.data), np.int16)
+            peak = int(np.abs(samples.astype(np.int32)).max()) if samples.size else 0
+            self.agent_frames.append((time.monotonic(), peak))
+
+    def _on_text(self, reader: rtc.TextStreamReader, sender: str) -> None:
+        async def read() -> None:
+            text = await reader.read_all()
+            self.transcripts.append((sender, dict(reader.info.attributes or {}), text))
+
+        self._spawn(read())
+
+    def user_transcript(self) -> str:
+        mine = [t for sender, attrs, t in self.transcripts
+                if sender == self.identity or attrs.get("lk.transcribed_track_id") == self.mic_sid]  # fmt: skip
+        return " ".join(mine)
+
+    def agent_transcript(self) -> str:
+        return " ".join(t for sender, attrs, t in self.transcripts
+                        if sender != self.identity and attrs.get("lk.transcribed_track_id") != self.mic_sid)  # fmt: skip
+
+    def agent(self) -> rtc.RemoteParticipant | None:
+        for p in self.room.remote_participants.values():
+            if p.kind == rtc.ParticipantKind.PARTICIPANT_KIND_AGENT:
+                return p
+        return None
+
+    async def join(self, url: str, token: str) -> None:
+        await self.room.connect(url, token)
+        track = rtc.LocalAudioTrack.create_audio_track("microphone", self.source)
+        opts = rtc.TrackPublishOptions(source=rtc.TrackSource.SOURCE_MICROPHONE)
+        pub = await self.room.local_participant.publish_track(track, opts)
+        self.mic_sid = pub.sid
+        self._spawn(self._microphone())
+
+    def say(self, samples: np.ndarray) -> None:
+        self._speech = samples
+
+    async def _microphone(self) -> None:
+        """10 ms frames paced in real time: silence, or the speech given to `say`."""
+        silence = np.zeros(FRAME, np.int16)
+        start, n = time.monotonic(), 0
+        while True:
+            speech, self._speech = self._speech, None
+            if speech is not None:
+                for i in range(0, len(speech), FRAME):
+                    chunk = speech[i : i + FRAME]
+                    chunk = np.pad(chunk, (0, FRAME - len(chunk))) if len(chunk) < FRAME else chunk
+                    await self._capture(chunk, start, n)
+                    n += 1
+                self.speech_end = time.monotonic() + self.source.queued_duration
+            await self._capture(silence, start, n)
+            n += 1
+
+    async def _capture(self, chunk: np.ndarray, start: float, n: int) -> None:
+        await self.source.capture_frame(rtc.AudioFrame(chunk.tobytes(), RATE, 1, FRAME))
+        delay = start + (n + 1) * FRAME / RATE - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.room.disconnect()
+        await self.source.aclose()
+
+
+async def test_call_through_a_livekit_server(livekit_server, tiny_checkpoint, tmp_path,  # noqa: F811
+                                             record_property):  # fmt: skip
+    server = livekit_server
+    engine = EngineProcess(tiny_checkpoint("custom_voice"), None, "--no-governor")
+    await asyncio.to_thread(engine.start)
+    llm = await ScriptedChatServer().start()
+    question = load_turn_audio(speech_wav(QUESTION, sample_rate=RATE))
+    env = {**os.environ, "LIVEKIT_URL": server.url, "LIVEKIT_API_KEY": server.api_key,
+           "LIVEKIT_API_SECRET": server.api_secret, "TTS_URL": engine.url, "LLM_BASE_URL": llm.url,
+           "LLM_MODEL": "scripted", "TTS_MAX_NEW_TOKENS": "6", "VOICE_AGENT_OFFLINE": "1",
+           "HF_HUB_OFFLINE": "1", "LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE": "0",
+           "VOICE_AGENT_CACHE": str(tmp_path / "va")}  # fmt: skip
+    caller = Caller(f"caller-{uuid.uuid4().hex[:6]}")
+    room = f"call-{uuid.uuid4().hex[:8]}"
+    log = tmp_path / "worker.log"
+    t_start = time.monotonic()
+    worker = _start_worker(env, tmp_path, log)
+
+    def worker_alive() -> str | None:
+        if worker.poll() is not None:
+            return f"the worker exited with {worker.returncode}:\n{log.read_text()[-3000:]}"
+        return None
+
+    try:
+        t_registered = await _until(lambda: "registered worker" in log.read_text(errors="replace"),
+                                    "the worker to register", alive=worker_alive)  # fmt: skip
+        registered_s = t_registered - t_start
+        print(f"worker registered {registered_s:.2f}s after start")
+        record_property("worker_registered_s", round(registered_s, 3))
+
+        token = (api.AccessToken(server.api_key, server.api_secret).with_identity(caller.identity)
+                 .with_grants(api.VideoGrants(room_join=True, room=room)).to_jwt())  # fmt: skip
+        await caller.join(server.url, token)
+        t_joined = time.monotonic()
+        await _until(lambda: (a := caller.agent()) is not None
+                     and a.attributes.get("lk.agent.state") == "listening",
+                     "the agent to join and listen", alive=worker_alive)  # fmt: skip
+        print(f"agent listening {time.monotonic() - t_joined:.2f}s after the caller joined")
+        await asyncio.sleep(1.0)  # the agent's subscription to the microphone settles
+        caller.say(question)
+        await _until(
+            lambda: caller.speech_end is not None, "the question to be spoken", alive=worker_alive
+        )
+
+        def agent_spoke() -> bool:
+            return any(
+                t > caller.speech_end and peak > SILENT_PEAK for t, peak in caller.agent_frames
+            )
+
+        await _until(agent_spoke, "the agent's audio", alive=worker_alive)
+        first = min(
+            t for t, peak in caller.agent_frames if t > caller.speech_end and peak > SILENT_PEAK
+        )
+        voice_to_voice = first - caller.speech_end
+        await _until(lambda: "time" in caller.user_transcript().lower(),
+                     "the user's transcript", alive=worker_alive)  # fmt: skip
+        await _until(lambda: "noon" in caller.agent_transcript().lower(),
+                     "the agent's transcript", alive=worker_alive)  # fmt: skip
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n--- worker log ---\n{log.read_text(errors='replace')[-4000:]}"
+                             f"\n--- transcripts: {caller.transcripts}") from None  # fmt: skip
+    finally:
+        await caller.close()
+        await _delete_room(server, room)  # else the job waits out the room's departure timeout
+        await asyncio.to_thread(_stop_worker, worker)
+        await llm.stop()
+        await asyncio.to_thread(engine.stop)
+
+    print(f"voice-to-voice seen by the caller: {voice_to_voice:.3f}s")
+    print(f"transcripts: {caller.transcripts}")
+    record_property("voice_to_voice_s", round(voice_to_voice, 3))
+    words = caller.user_transcript().lower()
+    assert "what" in words and "time" in words, caller.transcripts
+    assert "noon" in caller.agent_transcript().lower(), caller.transcripts
+    # the scripted LLM was asked for the tool, then answered with the tool's result
+    assert any(m.get("role") == "tool" for m in llm.requests[-1]["messages"]), llm.requests
+    loud = [peak for t, peak in caller.agent_frames if t > caller.speech_end and peak > SILENT_PEAK]
+    assert len(loud) >= 10, f"only {len(loud)} non-silent agent frames"
+    print(f"worker exit code: {worker.returncode}")
