@@ -1,0 +1,50 @@
+# Images for infra/compose.yaml and infra/k8s/, built from the repository root:
+#   docker build -f infra/docker/agent.Dockerfile --target agent      -t qwen3-voice-agent .
+#   docker build -f infra/docker/agent.Dockerfile --target tts-engine -t qwen3-tts-engine .
+# Both install exactly uv.lock (`uv sync --frozen`), with the uv version scripts/bootstrap.sh pins.
+# tests/test_infra.py checks that every file copied here exists and that the package names are
+# workspace members (no docker engine runs in the tests).
+
+FROM python:3.11-slim AS base
+ENV PYTHONUNBUFFERED=1 \
+    UV_LINK_MODE=copy \
+    UV_PYTHON_DOWNLOADS=never \
+    UV_PROJECT_ENVIRONMENT=/app/.venv \
+    PATH=/app/.venv/bin:$PATH
+RUN pip install --no-cache-dir uv==0.13.9
+WORKDIR /app
+# The workspace: root project, lock file and the three members (sources included: they are
+# installed into the environment as workspace packages).
+COPY pyproject.toml uv.lock ./
+COPY agent/ agent/
+COPY plugins/livekit-plugins-qwen3-tts/ plugins/livekit-plugins-qwen3-tts/
+COPY plugins/livekit-plugins-faster-whisper/ plugins/livekit-plugins-faster-whisper/
+
+# -- the LiveKit agent worker ------------------------------------------------------------------
+# Only voice-agent and its dependencies (no `local` extra: no mlx, no mlx-lm); the TTS engine and
+# the LLM are other services (TTS_URL, LLM_BASE_URL). libportaudio2 is not installed: it is only
+# needed by `voice-agent console` (a local microphone), never in a container.
+FROM base AS agent
+RUN uv sync --frozen --no-dev --package voice-agent
+# LiveKit's health endpoint (GET / on 8081 in `start` mode); METRICS_PORT for Prometheus if set.
+EXPOSE 8081
+# Exec form: the worker is PID 1 and gets SIGTERM itself; the first SIGTERM drains (no new jobs,
+# calls in progress finish), a second one exits at once. See infra/k8s/agent-worker.yaml.
+STOPSIGNAL SIGTERM
+CMD ["voice-agent", "start"]
+
+# -- the Qwen3-TTS engine server ---------------------------------------------------------------
+# mlx's Linux CPU backend: functional, far from real time (the README's benchmarks); Apple
+# Silicon hosts run `qwen3-tts serve` natively, GPU hosts run vLLM-Omni (TTS_PROTOCOL=vllm-omni).
+FROM base AS tts-engine
+# mlx-cpu links the reference BLAS; OpenBLAS preloaded is ~10x faster (as scripts/bootstrap.sh).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libopenblas0-pthread \
+    && rm -rf /var/lib/apt/lists/* \
+    && ln -s "$(ls /usr/lib/*/libopenblas.so.0 /usr/lib/*/openblas-pthread/libopenblas.so.0 2>/dev/null | head -1)" \
+       /usr/local/lib/libopenblas-preload.so.0
+ENV LD_PRELOAD=/usr/local/lib/libopenblas-preload.so.0
+RUN uv sync --frozen --no-dev --package livekit-plugins-qwen3-tts --extra mlx
+EXPOSE 8880
+STOPSIGNAL SIGTERM
+CMD ["qwen3-tts", "serve", "--host", "0.0.0.0", "--port", "8880"]
