@@ -44,6 +44,14 @@ class Settings:
     instructions: str = _f("AGENT_INSTRUCTIONS", "You are a helpful voice assistant. Answer in one "
                            "or two short spoken sentences, without markdown.", "system prompt")
     metrics_port: int = _f("METRICS_PORT", 0, "Prometheus/health port of the agent (0: off)")
+    tts_queue_capacity: int = _f("TTS_QUEUE_CAPACITY", 4, "engine requests (waiting or in flight) "
+                                 "at which the worker reports full load to LiveKit")
+    agent_load_threshold: float = _f("AGENT_LOAD_THRESHOLD", 0.7, "load (0..1: the larger of CPU, "
+                                     "TTS queue, TTS memory) at which LiveKit sends no new jobs")
+    agent_http_port: int = _f("AGENT_HTTP_PORT", 8081, "port of the worker's health and load "
+                              "endpoints (`/`, `/worker`; 0: any free port)")
+    worker_tag: str | None = _f("WORKER_TAG", None, "name of this worker, published as the agent "
+                                "participant's `worker` attribute (unset: none)")
     offline: bool = _f("VOICE_AGENT_OFFLINE", False, "never use the network: bundled and generated "
                        "models only (also implied by HF_HUB_OFFLINE=1)")
 

@@ -7,17 +7,131 @@ loads Silero and faster-whisper once (prewarm) and serves its rooms with them.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import sys
+import threading
+import time
+from collections.abc import Mapping
 from urllib.parse import urlparse
 
+import httpx
 from livekit.agents import AgentServer, JobContext, JobProcess, cli
+from livekit.agents.worker import _DefaultLoadCalc
 
 from .local_services import ensure_llm, ensure_tts_engine, resolve_offline
 from .observability import TurnMetrics
 from .pipeline import VoiceAgent, build_session, build_stt
 from .settings import Settings
+
+logger = logging.getLogger("voice_agent")
+STALE_AFTER_S = 5.0  # no engine status for this long: the engine counts as saturated
+
+
+def engine_load(status: Mapping | None, capacity: int) -> float:
+    """The TTS engine's share of the worker load (0..1) from its `/v1/engine/status` body.
+
+    Queue: requests waiting or in flight on all handlers / `capacity` (LiveKit marks the worker
+    full at its load_threshold, 0.7 in production: with capacity 4 that is 3 requests).
+    Memory (engines with a governor): 0 at or below the governor's `upgrade_at` (memory is
+    comfortable), 1 at `critical_at`, linear between, so a 0.7 threshold falls near `downgrade_at`,
+    where the engine itself starts stepping down its precision ladder.
+    """
+    if not status:
+        return 0.0
+    depth = sum(int(h.get("queue_depth") or 0) for h in status.get("handlers") or [])
+    load = depth / max(1, capacity)
+    governor = status.get("governor") or {}
+    reading = governor.get("pressure") or {}
+    if reading.get("pressure") is not None:
+        policy = governor.get("policy") or {}
+        low, high = float(policy.get("upgrade_at", 0.65)), float(policy.get("critical_at", 0.95))
+        memory = (float(reading["pressure"]) - low) / max(1e-6, high - low)
+        load = max(load, memory)
+    return min(1.0, max(0.0, load))
+
+
+def worker_load(cpu: float, status: Mapping | None, capacity: int, *, stale: bool = False) -> float:
+    """What the worker reports to LiveKit: the busier of this host's CPU and its TTS engine
+    (an engine that has not answered for STALE_AFTER_S counts as saturated)."""
+    return min(1.0, max(cpu, 1.0 if stale else engine_load(status, capacity)))
+
+
+class EnginePoller:
+    """Polls `GET {url}/v1/engine/status` on a daemon thread every `interval` seconds and keeps
+    the last answer, so `load_fnc` never waits on the network. An engine without the endpoint
+    (vLLM-Omni: 404) adds nothing; an unreachable one reads as saturated once stale."""
+
+    def __init__(self, url: str, *, interval: float = 1.0, timeout: float = 2.0,
+                 api_key: str | None = None) -> None:  # fmt: skip
+        self.url = url.rstrip("/") + "/v1/engine/status"
+        self.interval, self.timeout = interval, timeout
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.status: dict | None = None
+        self.last_ok: float | None = None
+        self.supported = True
+        self._started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tts-engine-status", daemon=True)
+
+    def start(self) -> EnginePoller:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def poll_once(self, client: httpx.Client) -> None:
+        try:
+            r = client.get(self.url, headers=self.headers, timeout=self.timeout)
+        except httpx.HTTPError as e:
+            logger.debug("engine status %s: %s", self.url, e)
+            return
+        if r.status_code == 404:
+            if self.supported:
+                logger.info("the TTS engine has no %s: load is CPU only", self.url)
+            self.supported = False
+        elif r.status_code == 200:
+            self.status, self.last_ok, self.supported = r.json(), time.monotonic(), True
+        else:
+            logger.debug("engine status %s: HTTP %d", self.url, r.status_code)
+
+    @property
+    def stale(self) -> bool:
+        if not self.supported:
+            return False
+        since = self.last_ok if self.last_ok is not None else self._started
+        return time.monotonic() - since > STALE_AFTER_S
+
+    def _run(self) -> None:
+        with httpx.Client() as client:
+            while not self._stop.is_set():
+                try:
+                    self.poll_once(client)
+                except Exception as e:  # a body that is not JSON, ...: keep polling
+                    logger.warning("engine status %s: %s: %s", self.url, type(e).__name__, e)
+                self._stop.wait(self.interval)
+
+
+_poller: EnginePoller | None = None
+_poller_lock = threading.Lock()
+
+
+def load(server: AgentServer) -> float:
+    """AgentServer.load_fnc (called from an executor thread every 0.5 s)."""
+    global _poller
+    cpu = _DefaultLoadCalc.get_load(server)
+    url = (os.environ.get("TTS_URL") or "").split(",")[0].strip()
+    if not url:
+        return cpu
+    with _poller_lock:
+        if _poller is None or not _poller.url.startswith(url.rstrip("/")):
+            _poller = EnginePoller(url, api_key=os.environ.get("QWEN3_TTS_API_KEY")).start()
+        poller = _poller
+    capacity = int(os.environ.get("TTS_QUEUE_CAPACITY") or 4)  # run_worker sets it from Settings
+    status = poller.status if poller.supported else None
+    return worker_load(cpu, status, capacity, stale=poller.stale)
 
 
 def prewarm(proc: JobProcess) -> None:
@@ -30,7 +144,7 @@ def prewarm(proc: JobProcess) -> None:
     proc.userdata["stt"] = stt
 
 
-server = AgentServer(setup_fnc=prewarm)
+server = AgentServer(setup_fnc=prewarm, load_fnc=load)
 
 
 @server.rtc_session()
@@ -40,6 +154,8 @@ async def entrypoint(ctx: JobContext) -> None:
                             vad=ctx.proc.userdata["vad"], stt=ctx.proc.userdata["stt"])  # fmt: skip
     TurnMetrics(session)  # one log line per turn, with LiveKit's per-turn latencies
     await session.start(agent=VoiceAgent(settings.instructions), room=ctx.room)
+    if settings.worker_tag:  # which worker (host) serves this call, for operators and tests
+        await ctx.room.local_participant.set_attributes({"worker": settings.worker_tag})
 
 
 def _check_livekit_url() -> str | None:
@@ -90,6 +206,10 @@ def run_worker(argv: list[str]) -> int:
     os.environ["TTS_URL"], os.environ["LLM_BASE_URL"] = tts.url, llm.url
     if llm.model:
         os.environ["LLM_MODEL"] = llm.model
+    os.environ["TTS_QUEUE_CAPACITY"] = str(settings.tts_queue_capacity)  # `load` reads the env
+    server._port = settings.agent_http_port  # no public setter; two workers on a host need two
+    if command == "start":  # dev keeps LiveKit's development default (no limit)
+        server.update_options(load_threshold=settings.agent_load_threshold)
     sys.argv = ["voice-agent", *argv]
     try:
         cli.run_app(server)
