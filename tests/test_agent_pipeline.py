@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -155,14 +154,15 @@ async def test_local_mlx_lm_server_answers_a_turn(engine, tmp_path, monkeypatch)
     assert report.reply_audio_s > 0
 
 
-def test_demo_json_runs_offline(tmp_path):
+def test_run_command_runs_the_demo_offline(tmp_path):
+    """The README's run command (set-up + `voice-agent demo`), with no network to the hub."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VOICE_AGENT_CACHE": str(tmp_path / "va"),
            "QWEN3_TTS_CACHE": str(tmp_path / "q3")}  # fmt: skip
-    exe = str(Path(sys.executable).with_name("voice-agent"))
+    root = Path(__file__).resolve().parents[1]
     out = tmp_path / "reply.wav"
-    p = subprocess.run([exe, "demo", "--json", "--out", str(out), "--tts-port", str(free_port()),
-                        "--llm-port", str(free_port())], capture_output=True, text=True, env=env,
-                       timeout=600)  # fmt: skip
+    p = subprocess.run(["bash", str(root / "scripts" / "run.sh"), "--json", "--out", str(out),
+                        "--tts-port", str(free_port()), "--llm-port", str(free_port())],
+                       capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads(p.stdout)
     (turn,) = report["turns"]
