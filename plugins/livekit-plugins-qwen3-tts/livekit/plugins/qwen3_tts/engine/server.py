@@ -527,7 +527,8 @@ class EngineServer:
                 # Audio already went out: abort the connection so the client sees an error.
                 logger.error("%s failed after %d chunks: %s", rid, n, e)
                 self.metrics.requests.labels("aborted").inc()
-                request.transport.close() if request.transport else None
+                if request.transport is not None:
+                    request.transport.close()
                 return response
             except (ConnectionResetError, asyncio.CancelledError):
                 logger.info("%s: client went away after %d chunks; synthesis cancelled", rid, n)
