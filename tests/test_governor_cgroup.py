@@ -122,7 +122,7 @@ def test_real_memory_pressure_makes_the_engine_step_down(tiny_checkpoint):
     engine = ballast = None
     try:
         engine = cg.spawn([exe, "serve", "--model", str(model), "--port", str(port),
-                           "--ladder", "bf16,4bit", "--downgrade-at", str(DOWNGRADE_AT),
+                           "--ladder", "bf16,4bit", "--allow-unevaluated", "4bit", "--downgrade-at", str(DOWNGRADE_AT),
                            "--upgrade-at", "0.2", "--downgrade-hold", "0.5", "--cooldown", "60",
                            "--governor-interval", "0.2"],
                           env={**os.environ, "QWEN3_TTS_LOG_LEVEL": "INFO"})  # fmt: skip

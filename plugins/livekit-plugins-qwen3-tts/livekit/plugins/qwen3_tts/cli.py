@@ -1,4 +1,4 @@
-"""`qwen3-tts` command line: tiny-checkpoint, serve, variant, say, bench, demo.
+"""`qwen3-tts` command line: tiny-checkpoint, serve, variant, say, bench, demo, quantize, eval, ablate.
 
 Everything but `say --server` needs the `mlx` extra (`pip install livekit-plugins-qwen3-tts[mlx]`).
 """
@@ -98,7 +98,8 @@ def build_server(args: argparse.Namespace):
     engine = Engine(model, handlers)
     governor = Governor(engine, detect_probe(args.memory_source), policy,
                         interval_s=args.governor_interval, drain_deadline_s=args.drain_deadline,
-                        auto=not args.no_governor)  # fmt: skip
+                        auto=not args.no_governor,
+                        allow_unevaluated=[v.strip() for v in (args.allow_unevaluated or "").split(",") if v.strip()])  # fmt: skip
     return EngineServer(engine, config, governor)
 
 
@@ -292,6 +293,9 @@ def _add_governor_options(s: argparse.ArgumentParser) -> None:
                    choices=["auto", "cgroup-v2", "cgroup-v1", "system", "macos"])
     g.add_argument("--governor-interval", type=float, default=1.0, metavar="S",
                    help="seconds between memory readings (default 1.0)")
+    g.add_argument("--allow-unevaluated", metavar="VARIANTS",
+                   help="operator consent: put these quantized rungs (comma-separated, or 'all') "
+                   "on the ladder without a stored passing `qwen3-tts eval` report")
     g.add_argument("--no-governor", action="store_true",
                    help="no automatic swaps (POST /v1/engine/variant still works)")
 
@@ -355,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "for the tiny random checkpoint)")
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=cmd_demo)
+
+    from .engine.quality.cli import add_parsers
+
+    add_parsers(sub)
 
     b = sub.add_parser("bench", help="benchmarks (JSON): engine (default) or swap")
     b.add_argument("what", nargs="?", choices=["engine", "swap"], default="engine",

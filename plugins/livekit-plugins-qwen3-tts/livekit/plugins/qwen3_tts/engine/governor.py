@@ -13,7 +13,7 @@ import contextlib
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -93,8 +93,13 @@ class Governor:
         drain_deadline_s: float | None = None,
         auto: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        allow_unevaluated: Collection[str] = (),
     ) -> None:
         self.engine = engine
+        # Quality gate: quantized rungs below the start need a stored passing report, or the
+        # operator's consent ("all" or variant names).
+        self.allow_unevaluated = frozenset(allow_unevaluated)
+        self.rung_checks: dict[str, dict] = {}
         self.probe = probe if probe is not None else detect_probe()
         self.configured = policy or Policy()
         self.policy = self.configured  # the ladder is cut at the start variant in start()
@@ -143,7 +148,7 @@ class Governor:
     def _plan(self, start: str) -> tuple[tuple[str, ...], dict[str, int]]:
         """The rungs this model can load (file reads: run in a thread) and their weight bytes."""
         rungs = tuple(v for v in effective_ladder(self.configured.ladder, start)
-                      if v == start or self._loadable(v))  # fmt: skip
+                      if v == start or (self._loadable(v) and self._passes_gate(v, start)))  # fmt: skip
         model_dir = Path(self.engine.model).expanduser()
         return rungs, checkpoint_weight_bytes(model_dir, rungs) if model_dir.is_dir() else {}
 
@@ -151,6 +156,15 @@ class Governor:
         """Wait until the handlers that swaps replaced have finished their work and stopped."""
         if self._retiring:
             await asyncio.gather(*self._retiring, return_exceptions=True)
+
+    def _passes_gate(self, variant: str, start: str) -> bool:
+        from .quality.gate import check_rung
+
+        check = check_rung(self.engine.model, variant, start=start, consent=self.allow_unevaluated)
+        self.rung_checks[variant] = check
+        if not check["accepted"]:
+            logger.warning("governor: %s is left off the ladder: %s", variant, check["why"])
+        return check["accepted"]
 
     def _loadable(self, variant: str) -> bool:
         try:
@@ -353,6 +367,8 @@ class Governor:
             "swapping": self.swapping.as_dict() if self.swapping else None,
             "retiring": [h.name for h in self.engine.retiring],
             "history": [r.as_dict() for r in self.history],
+            "quality_gate": {"allow_unevaluated": sorted(self.allow_unevaluated),
+                             "rungs": self.rung_checks},
         }  # fmt: skip
 
 

@@ -58,42 +58,62 @@ def quantized_cache_dir(src: Path, recipe: Recipe) -> Path:
     return cache_root() / "quantized" / f"{source_digest(src)[:16]}-{recipe.name}-{recipe_digest(recipe)}"
 
 
-def quantize_checkpoint(src: Path, dst: Path, recipe: Recipe, *, progress: bool = True) -> dict:
-    """Write `src` quantized with `recipe` to `dst` in mlx-audio's checkpoint format.
-
-    Mirrors `mlx_audio.convert`: build the model, sanitize and load the weights, quantize the
-    planned modules, save, and record each quantized module in config.json["quantization"] so
-    mixed precision loads back with mlx-audio's own loader. Returns the plan.
-    """
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
+def load_full_precision(src: Path):
+    """A full-precision checkpoint as an mlx-audio Model (weights only: no tokenizers)."""
     from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
     from mlx_audio.utils import load_weights
-    from tqdm import tqdm
 
     config = json.loads((src / "config.json").read_text())
     if config.get("quantization"):
         raise ValueError(f"{src} is already quantized; quantize a full-precision checkpoint")
     model = Model(ModelConfig.from_dict(config))
     model.load_weights(list(model.sanitize(load_weights(src)).items()))
+    return model
+
+
+def apply_recipe(model, recipe: Recipe, *, skip: frozenset[str] = frozenset()) -> dict[str, tuple[int, int]]:
+    """Quantize `model` in place (round to nearest) as `recipe` says; returns the plan.
+
+    Paths in `skip` are left alone (e.g. already quantized by GPTQ) but stay in the plan.
+    """
+    import mlx.nn as nn
 
     n_layers = model.config.talker_config.num_hidden_layers
+    # A quantized module's packed weight is bits/32 as wide as its input.
     modules = [
-        (path, m.weight.shape[-1])
+        (path, m.weight.shape[-1] * 32 // m.bits if path in skip else m.weight.shape[-1])
         for path, m in model.named_modules()
-        if hasattr(m, "to_quantized") and hasattr(m, "weight")
+        if (hasattr(m, "to_quantized") and hasattr(m, "weight")) or path in skip
     ]
     plan = quantization_plan(recipe, modules, n_layers)
+    # Every quantizable module is in the talker (ALWAYS_SKIPPED); quantizing only that subtree
+    # also works on a loaded model, whose tokenizer attributes nn.quantize cannot walk.
+    if any(not p.startswith("talker.") for p in plan):
+        raise ValueError("recipes quantize modules of the talker only")
+    nn.quantize(
+        model.talker,
+        class_predicate=lambda p, m: (
+            {"bits": plan[f"talker.{p}"][0], "group_size": plan[f"talker.{p}"][1], "mode": "affine"}
+            if f"talker.{p}" in plan and f"talker.{p}" not in skip else False
+        ),
+    )  # fmt: skip
+    return plan
+
+
+def save_quantized(model, src: Path, dst: Path, plan: dict, recipe: Recipe, *,
+                   progress: bool = True, extra: dict | None = None) -> None:  # fmt: skip
+    """Write a quantized `model` made from `src` to `dst` in mlx-audio's checkpoint format:
+    tokenizer and speech-tokenizer files copied, weights saved, and each quantized module
+    recorded in config.json["quantization"] so mixed precision loads with mlx-audio's loader."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from tqdm import tqdm
+
     if not plan:
         raise ValueError(f"recipe {recipe.name!r} quantizes no module of {src}")
-    nn.quantize(
-        model,
-        class_predicate=lambda p, m: (
-            {"bits": plan[p][0], "group_size": plan[p][1], "mode": "affine"} if p in plan else False
-        ),
-    )
-    weights = dict(tree_flatten(model.parameters()))
+    config = json.loads((src / "config.json").read_text())
+    # A model from mlx-audio's loader also holds the vocoder, which lives in speech_tokenizer/.
+    weights = {k: v for k, v in tree_flatten(model.parameters()) if not k.startswith("speech_tokenizer.")}
     for key in tqdm(list(weights), desc=f"quantizing ({recipe.name})", unit="tensor",
                     disable=not progress, leave=False):  # fmt: skip
         mx.eval(weights[key])
@@ -114,10 +134,22 @@ def quantize_checkpoint(src: Path, dst: Path, recipe: Recipe, *, progress: bool 
         **{p: {"bits": b, "group_size": g} for p, (b, g) in plan.items()},
     }
     config["qwen3_tts_recipe"] = recipe.name
+    config.update(extra or {})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     shutil.rmtree(dst, ignore_errors=True)
     dst.parent.mkdir(parents=True, exist_ok=True)
     os.replace(tmp, dst)
+
+
+def quantize_checkpoint(src: Path, dst: Path, recipe: Recipe, *, progress: bool = True) -> dict:
+    """Write `src` quantized with `recipe` (round to nearest) to `dst`; returns the plan.
+
+    Mirrors `mlx_audio.convert`: build the model, sanitize and load the weights, quantize the
+    planned modules, save in mlx-audio's format.
+    """
+    model = load_full_precision(src)
+    plan = apply_recipe(model, recipe)
+    save_quantized(model, src, dst, plan, recipe, progress=progress)
     return plan
 
 

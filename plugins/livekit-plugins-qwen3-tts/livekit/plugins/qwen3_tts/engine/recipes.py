@@ -6,9 +6,14 @@ A recipe is matched against a model's module paths by a pure function, so what g
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
+
+VALID_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs in "affine" mode
+VALID_GROUP_SIZES = (32, 64, 128)
 
 # mlx-audio keeps these unquantized in every published checkpoint (Model.model_quant_predicate).
 ALWAYS_SKIPPED = ("codec_embedding", "text_embedding", "speech_tokenizer", "speaker_encoder")
@@ -116,3 +121,99 @@ def get_recipe(name: str) -> Recipe:
         raise ValueError(
             f"unknown variant {name!r}; valid variants: {', '.join(RECIPES)}"
         ) from None
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    """The recipe as the JSON/YAML a recipe file holds (`recipe_from_dict` reads it back)."""
+    return {
+        "name": recipe.name, "description": recipe.description,
+        "default_bits": recipe.default_bits, "default_group_size": recipe.default_group_size,
+        "rules": [{"pattern": r.pattern, "bits": r.bits, "group_size": r.group_size,
+                   **({"layers": list(r.layers)} if r.layers else {})} for r in recipe.rules],
+    }  # fmt: skip
+
+
+def _bits(value, where: str) -> int | None:
+    if value is None or value in ("bf16", "none"):
+        return None
+    if isinstance(value, bool) or value not in VALID_BITS:
+        raise ValueError(f"{where}: bits must be one of {VALID_BITS} or null (full precision), got {value!r}")
+    return value
+
+
+def _group(value, where: str) -> int:
+    if isinstance(value, bool) or value not in VALID_GROUP_SIZES:
+        raise ValueError(f"{where}: group_size must be one of {VALID_GROUP_SIZES}, got {value!r}")
+    return value
+
+
+def recipe_from_dict(data: dict, *, default_name: str = "custom") -> Recipe:
+    """A recipe from parsed JSON/YAML; every mistake is a ValueError naming the field.
+
+    Rules take a regular expression over module paths (`pattern`) or a named ablation
+    `component` (see `qwen3-tts ablate --help`), optional `layers: [first, last]` (talker layers,
+    negative from the end), `bits` (null keeps full precision) and `group_size`.
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"a recipe is a mapping, got {type(data).__name__}")
+    unknown = set(data) - {"name", "description", "default_bits", "default_group_size", "rules"}
+    if unknown:
+        raise ValueError(f"unknown recipe field(s): {', '.join(sorted(unknown))}")
+    group = _group(data.get("default_group_size", 64), "default_group_size")
+    rules = []
+    for i, r in enumerate(data.get("rules") or []):
+        where = f"rules[{i}]"
+        if not isinstance(r, dict):
+            raise ValueError(f"{where}: a rule is a mapping")
+        bad = set(r) - {"pattern", "component", "bits", "group_size", "layers"}
+        if bad:
+            raise ValueError(f"{where}: unknown field(s): {', '.join(sorted(bad))}")
+        if ("pattern" in r) == ("component" in r):
+            raise ValueError(f"{where}: give exactly one of `pattern` or `component`")
+        if "bits" not in r:
+            raise ValueError(f"{where}: `bits` is required (null keeps full precision)")
+        bits, gs = _bits(r["bits"], where), _group(r.get("group_size", group), where)
+        if "component" in r:
+            from .quality.components import rule
+
+            base = rule(r["component"], bits, gs)
+            layers = tuple(r["layers"]) if "layers" in r else base.layers
+            rules.append(Rule(base.pattern, bits, gs, layers))
+            continue
+        try:
+            re.compile(r["pattern"])
+        except (re.error, TypeError) as e:
+            raise ValueError(f"{where}: bad pattern {r['pattern']!r}: {e}") from None
+        layers = r.get("layers")
+        if layers is not None and (not isinstance(layers, list | tuple) or len(layers) != 2
+                                   or not all(isinstance(x, int) for x in layers)):  # fmt: skip
+            raise ValueError(f"{where}: layers must be [first, last] (integers), got {layers!r}")
+        rules.append(Rule(r["pattern"], bits, gs, tuple(layers) if layers else None))
+    name = data.get("name") or default_name
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", name):
+        raise ValueError(f"recipe name {name!r}: use letters, digits and . _ + -")
+    return Recipe(name, _bits(data.get("default_bits"), "default_bits"), group, tuple(rules),
+                  str(data.get("description", "")))  # fmt: skip
+
+
+def load_recipe(spec: str) -> Recipe:
+    """A built-in recipe by name, or a recipe file (.json, .yaml, .yml)."""
+    if spec in RECIPES:
+        return RECIPES[spec]
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{spec!r} is neither a built-in recipe ({', '.join(RECIPES)}) nor a recipe file")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # yaml.YAMLError / json.JSONDecodeError
+        raise ValueError(f"{path}: cannot parse recipe: {e}") from None
+    try:
+        return recipe_from_dict(data, default_name=path.stem)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

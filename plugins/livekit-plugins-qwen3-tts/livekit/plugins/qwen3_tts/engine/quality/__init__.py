@@ -1,0 +1,1 @@
+"""Quantization quality: bootstrap statistics, audio metrics and reports (candidate vs bf16)."""

@@ -1,0 +1,280 @@
+"""`qwen3-tts quantize | eval | ablate`: the quantization-quality commands."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _reference(name: str | None) -> Path:
+    """A local full-precision checkpoint for `name` (hub ids are downloaded as bf16)."""
+    from ...cli import TINY_WARNING, default_tiny_checkpoint
+    from ..loading import fetch
+    from ..variants import resolve
+
+    if not name:
+        _say(TINY_WARNING)
+        return default_tiny_checkpoint()
+    source = resolve(name, "bf16")
+    if source.quantize_with is not None:
+        raise ValueError(f"{name}: the reference must be full precision")
+    path = fetch(source)
+    config = json.loads((path / "config.json").read_text())
+    if config.get("quantization"):
+        raise ValueError(f"{path} is quantized; the reference must be a full-precision checkpoint")
+    return path
+
+
+def _csv(text: str | None) -> list[str]:
+    return [x.strip() for x in (text or "").split(",") if x.strip()]
+
+
+def _settings(args):
+    from .evaluate import EVAL_TEXTS, EvalSettings
+
+    texts = EVAL_TEXTS
+    if args.texts_file:
+        texts = tuple(t.strip() for t in Path(args.texts_file).read_text().splitlines() if t.strip())
+        if not texts:
+            raise ValueError(f"{args.texts_file} holds no text")
+    if args.texts is not None:
+        if args.texts < 1:
+            raise ValueError("--texts must be at least 1")
+        texts = texts[: args.texts]
+    try:
+        seeds = tuple(int(s) for s in _csv(args.seeds))
+    except ValueError:
+        raise ValueError(f"--seeds must be integers separated by commas, got {args.seeds!r}") from None
+    if not seeds:
+        raise ValueError("--seeds needs at least one seed")
+    settings = EvalSettings(texts=texts, seeds=seeds, max_new_tokens=args.max_new_tokens,
+                            voice=args.voice, language=args.language, audio_items=args.audio_items,
+                            calibration_frames=args.calibration_frames)  # fmt: skip
+    if args.budget:
+        settings.budget = _load_budget(Path(args.budget))
+    return settings
+
+
+def _load_budget(path: Path) -> dict:
+    from .report import METRICS
+
+    text = path.read_text()
+    data = __import__("yaml").safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a budget maps metric names to {{max: x}} and/or {{min: x}}")
+    for name, limits in data.items():
+        if name not in METRICS:
+            raise ValueError(f"{path}: unknown metric {name!r}; metrics: {', '.join(METRICS)}")
+        if not isinstance(limits, dict) or not limits or set(limits) - {"min", "max"} or not all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in limits.values()
+        ):  # fmt: skip
+            raise ValueError(f"{path}: {name} needs {{max: number}} and/or {{min: number}}")
+    return data
+
+
+def _candidates(specs: list[str], gptq: list[str]):
+    from ..recipes import load_recipe
+    from .candidates import Candidate
+    from .components import COMPONENTS
+
+    bad = [c for c in gptq if c not in COMPONENTS]
+    if bad:
+        raise ValueError(f"unknown --gptq component(s) {', '.join(bad)}; components: {', '.join(COMPONENTS)}")
+    out = []
+    for spec in specs:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            if not (path / "config.json").is_file():
+                raise ValueError(f"{spec}: a directory without config.json is not a checkpoint")
+            out.append(Candidate(path.name, "checkpoint", path=path))
+            continue
+        recipe = load_recipe(spec)
+        if not recipe.is_quantized:
+            out.append(Candidate(recipe.name, "reference"))
+            continue
+        out.append(Candidate(recipe.name, recipe=recipe))
+        if gptq:
+            out.append(Candidate(f"{recipe.name}+gptq({'+'.join(gptq)})", "gptq", recipe=recipe,
+                                 gptq=tuple(gptq)))  # fmt: skip
+    if not out:
+        raise ValueError("no candidates given")
+    return out
+
+
+def _out_dir(args, what: str) -> Path:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path(args.out or f"out/{what}-{stamp}")
+
+
+def _summary(report: dict, paths: dict, stored: list[Path]) -> dict:
+    return {
+        "report": {k: str(v) for k, v in paths.items()},
+        "stored": [str(p) for p in stored],
+        "reference": report["reference"]["path"],
+        "noise_floor": {k: v["mean"] for k, v in report["noise_floor"].items()},
+        "candidates": [{"name": c["name"], "method": c["method"], "passed": c["passed"],
+                        "failures": c["failures"], "size_ratio": c["size_ratio"],
+                        "metrics": {k: v["mean"] for k, v in c["metrics"].items()}}
+                       for c in report["candidates"]],
+    }  # fmt: skip
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from . import gate
+    from .evaluate import evaluate
+    from .report import markdown_table, write_report
+
+    settings = _settings(args)
+    reference = _reference(args.reference)
+    candidates = _candidates(_csv(args.candidates), _csv(args.gptq))
+    t0 = time.perf_counter()
+    _say(f"evaluating {len(candidates)} candidate(s) against {reference} on "
+         f"{len(settings.texts)} text(s) x {len(settings.seeds)} seed(s)")  # fmt: skip
+    report = evaluate(reference, candidates, settings, progress=_say)
+    report["eval_s"] = time.perf_counter() - t0
+    paths = write_report(report, _out_dir(args, "quality"))
+    stored = [] if args.no_store else gate.store(report, paths["json"], args.reference or reference)
+    return _finish(args, report, paths, stored, markdown_table)
+
+
+def _finish(args, report, paths, stored, markdown_table) -> int:
+    if args.json:
+        print(json.dumps(_summary(report, paths, stored), indent=2))
+    else:
+        print(markdown_table(report))
+        print(f"\nreport: {paths['md']} ({paths['png'].name}, {paths['json'].name})")
+        for p in stored:
+            print(f"stored for the governor's quality gate: {p}")
+    return 0
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    from .ablate import ablate
+    from .report import markdown_table, write_report
+
+    settings = _settings(args)
+    reference = _reference(args.reference)
+    donor = Path(args.donor).expanduser() if args.donor else None
+    if donor is not None and not (donor / "config.json").is_file():
+        raise ValueError(f"--donor {args.donor}: not a checkpoint directory")
+    keep = None if args.keep_bits == "bf16" else int(args.keep_bits)
+    report = ablate(reference, bits=args.bits, group_size=args.group_size, keep_bits=keep, donor=donor,
+                    components=_csv(args.components) or None, settings=settings, progress=_say)  # fmt: skip
+    out = _out_dir(args, "ablation")
+    paths = write_report(report, out)
+    proposal = report["ablation"]["proposal"]
+    if proposal and proposal.get("recipe"):
+        paths["recipe"] = out / "proposed-recipe.json"
+        paths["recipe"].write_text(json.dumps(proposal["recipe"], indent=2))
+    if args.json:
+        summary = _summary(report, paths, [])
+        summary["ranking"] = report["ablation"]["ranking"]
+        summary["proposal"] = proposal
+        print(json.dumps(summary, indent=2))
+        return 0
+    print("rank  component            damage(only)  damage(all but)")
+    for i, r in enumerate(report["ablation"]["ranking"], 1):
+        print(f"{i:>4}  {r['component']:<20} {r['damage_only']:>12.4g}  {r['damage_all_but']:>15.4g}")
+    if proposal:
+        print(f"\nproposed recipe: {paths.get('recipe', proposal.get('note'))}")
+    return _finish(args, report, paths, [], markdown_table)
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from ..loading import save_quantized
+    from ..recipes import load_recipe
+    from .candidates import build, load_dir, weight_bytes
+    from .evaluate import EvalSettings, Reference
+
+    recipe = load_recipe(args.recipe)
+    if not recipe.is_quantized:
+        raise ValueError(f"recipe {recipe.name!r} quantizes nothing")
+    src = _reference(args.model)
+    out = Path(args.out).expanduser()
+    if out.resolve() == src.resolve():
+        raise ValueError("OUT must differ from the source checkpoint")
+    gptq = _csv(args.gptq)
+    cand = _candidates([args.recipe], gptq)[-1]  # the GPTQ twin when --gptq is given
+    t0 = time.perf_counter()
+    calibrate = None
+    if gptq:
+        ref = Reference(src, EvalSettings(texts=(), calibration_frames=args.calibration_frames),
+                        progress=_say)  # fmt: skip
+        calibrate = ref.calibrate
+        _say(f"calibrating GPTQ on {len(ref.calibration())} texts "
+             f"({sum(len(c) for _, c in ref.calibration())} frames)")  # fmt: skip
+    model, details = build(cand, src, calibrate=calibrate, progress=not args.json)
+    extra = {"qwen3_tts_gptq": list(gptq)} if gptq else None
+    save_quantized(model, src, out, details["plan"], recipe, progress=not args.json, extra=extra)
+    loaded = load_dir(out)  # the proof: mlx-audio's own loader reads it back
+    result = {
+        "out": str(out), "recipe": recipe.name, "method": cand.method,
+        "quantized_modules": len(details["plan"]),
+        "bits": sorted({b for b, _ in details["plan"].values()}),
+        "weight_bytes": weight_bytes(loaded), "source_weight_bytes": weight_bytes(load_dir(src)),
+        "gptq_layers": details.get("gptq", []), "seconds": time.perf_counter() - t0,
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"wrote {out}: {recipe.name} ({cand.method}), {result['quantized_modules']} modules, "
+              f"weights {result['weight_bytes'] / 1e6:.1f} MB (from {result['source_weight_bytes'] / 1e6:.1f} MB) "
+              f"in {result['seconds']:.1f}s")  # fmt: skip
+    return 0
+
+
+def _add_eval_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--reference", help="full-precision checkpoint dir or hub id (default: tiny)")
+    p.add_argument("--texts", type=int, help="use the first N built-in texts (default: all 6)")
+    p.add_argument("--texts-file", help="one text per line instead of the built-in texts")
+    p.add_argument("--seeds", default="0,1", help="sampling seeds, comma-separated (default 0,1)")
+    p.add_argument("--max-new-tokens", type=int, help="frame cap per text (default: from the text)")
+    p.add_argument("--voice")
+    p.add_argument("--language", default="auto")
+    p.add_argument("--audio-items", type=int, default=2,
+                   help="items decoded to audio for silence/CER/decoder metrics (default 2)")
+    p.add_argument("--calibration-frames", type=int, help="frame cap per GPTQ calibration text")
+    p.add_argument("--budget", help="JSON/YAML: metric -> {max: x} and/or {min: x}")
+    p.add_argument("--out", help="report folder (default out/<command>-<time>)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+
+
+def add_parsers(sub) -> None:
+    from .components import COMPONENTS
+
+    comps = ", ".join(COMPONENTS)
+    q = sub.add_parser("quantize", help="write a quantized checkpoint from a recipe (RTN or GPTQ)")
+    q.add_argument("model", help="full-precision checkpoint dir or hub id")
+    q.add_argument("out", help="output checkpoint folder")
+    q.add_argument("--recipe", required=True, help="built-in recipe name or a .json/.yaml recipe file")
+    q.add_argument("--gptq", help=f"components quantized with GPTQ instead of RTN ({comps})")
+    q.add_argument("--calibration-frames", type=int, help="frame cap per calibration text")
+    q.add_argument("--json", action="store_true")
+    q.set_defaults(fn=cmd_quantize)
+
+    e = sub.add_parser("eval", help="quality of quantized candidates against a bf16 reference")
+    e.add_argument("--candidates", default="8bit,6bit,4bit,talker-mlp-w4,keep-code-predictor",
+                   help="recipe names, recipe files or checkpoint dirs, comma-separated")
+    e.add_argument("--gptq", help=f"also a GPTQ twin of each recipe for these components ({comps})")
+    e.add_argument("--no-store", action="store_true",
+                   help="do not store verdicts for the governor's quality gate")
+    _add_eval_options(e)
+    e.set_defaults(fn=cmd_eval)
+
+    a = sub.add_parser("ablate", help="rank components by quantization damage, propose a recipe")
+    a.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
+    a.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
+    a.add_argument("--keep-bits", default="8", choices=["8", "6", "bf16"],
+                   help="precision of the components a proposal protects (default 8)")
+    a.add_argument("--donor", help="instead of RTN: graft modules from this checkpoint")
+    a.add_argument("--components", help=f"subset of: {comps}")
+    _add_eval_options(a)
+    a.set_defaults(fn=cmd_ablate)

@@ -1,0 +1,91 @@
+"""The quality gate of the governor's ladder: a quantized rung needs a stored passing report.
+
+`qwen3-tts eval` stores one small verdict per (reference checkpoint, recipe) under
+`$QWEN3_TTS_CACHE/reports/<model key>/<recipe>-<recipe digest>.json`. The key is the content
+digest of a local checkpoint (so a changed checkpoint needs a new evaluation) or a hash of a hub
+id. The governor accepts a quantized rung only with a passing verdict for exactly that recipe, or
+with the operator's consent (`--allow-unevaluated`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+
+from ..loading import cache_root, recipe_digest, source_digest
+from ..recipes import Recipe, get_recipe
+
+
+def reports_root() -> Path:
+    return cache_root() / "reports"
+
+
+@functools.lru_cache(maxsize=16)
+def _dir_key(path: str, mtime_ns: int) -> str:
+    return source_digest(Path(path))[:16]
+
+
+def model_key(model: str | Path) -> str:
+    """What identifies the reference: a local checkpoint's content digest, or a hub id's hash."""
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        newest = max(f.stat().st_mtime_ns for f in [path / "config.json", *path.glob("*.safetensors")])
+        return _dir_key(str(path.resolve()), newest)
+    return "hub-" + hashlib.sha256(str(model).encode()).hexdigest()[:16]
+
+
+def verdict_path(model: str | Path, recipe: Recipe) -> Path:
+    return reports_root() / model_key(model) / f"{recipe.name}-{recipe_digest(recipe)}.json"
+
+
+def store(report: dict, report_json: Path, model: str | Path) -> list[Path]:
+    """Store a verdict for every round-to-nearest candidate of `report` (what the engine loads)."""
+    from ..recipes import recipe_from_dict
+
+    written = []
+    for c in report["candidates"]:
+        if c["method"] != "rtn" or not c.get("recipe"):
+            continue
+        recipe = recipe_from_dict(c["recipe"])
+        verdict = {
+            "model": str(model), "model_key": model_key(model), "recipe": recipe.name,
+            "recipe_digest": recipe_digest(recipe), "passed": c["passed"], "failures": c["failures"],
+            "metrics": {k: v["mean"] for k, v in c["metrics"].items()}, "budget": report["budget"],
+            "size_ratio": c["size_ratio"], "report": str(report_json), "created": report["created"],
+            "items": len(report["texts"]) * len(report["seeds"]),
+        }  # fmt: skip
+        path = verdict_path(model, recipe)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(verdict, indent=2))
+        written.append(path)
+    return written
+
+
+def lookup(model: str | Path, recipe: Recipe) -> dict | None:
+    path = verdict_path(model, recipe)
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def check_rung(model: str | Path, variant: str, *, start: str | None = None,
+               consent: frozenset[str] = frozenset()) -> dict:  # fmt: skip
+    """Whether the ladder may use `variant`, why, and the stored verdict if there is one."""
+    recipe = get_recipe(variant)
+    verdict = lookup(model, recipe) if recipe.is_quantized else None
+    if not recipe.is_quantized:
+        accepted, why = True, "full precision (the reference itself)"
+    elif variant == start:
+        accepted, why = True, "the variant the engine was started with (operator's choice)"
+    elif verdict is not None and verdict["passed"]:
+        accepted, why = True, "stored passing report"
+    elif "all" in consent or variant in consent:
+        accepted, why = True, "operator consent (--allow-unevaluated)"
+    elif verdict is not None:
+        accepted, why = False, "stored report fails: " + "; ".join(verdict["failures"])
+    else:
+        accepted, why = False, f"no quality report (run: qwen3-tts eval --reference {model} --candidates {variant})"
+    return {"variant": variant, "accepted": accepted, "why": why, "report": verdict}

@@ -1,0 +1,187 @@
+"""Quantization quality reports: budget checks, and the JSON / Markdown / PNG a run writes.
+
+Schema "qwen3-tts-quality/1": a bf16 reference, candidates with bootstrap metrics, a budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+SCHEMA = "qwen3-tts-quality/1"
+
+# name -> (label, unit / what it measures, higher_is_better); the order is the chart order
+METRICS: dict[str, tuple[str, str, bool]] = {
+    "cb0_kl": ("codebook-0 KL", "nats/frame, talker vs reference distribution", False),
+    "cb0_top1": ("codebook-0 top-1", "fraction of frames agreeing with reference argmax", True),
+    "cp_kl": ("code-predictor KL", "nats/frame, mean over codebooks 1-15", False),
+    "cp_top1": ("code-predictor top-1", "fraction agreeing with reference argmax", True),
+    "eos_drift": ("EOS drift", "mean |Δ P(end of speech)| per step along the reference codes", False),
+    "length_ratio": ("length ratio", "candidate / reference frames (ideal 1)", False),
+    "runaway_rate": ("runaway rate", "fraction hitting the token cap where the reference stopped", False),
+    "silence_rate": ("silence rate", "fraction of utterances Silero hears as silent", False),
+    "first_divergence": ("first divergence", "first frame whose 16 codes differ (same seed)", True),
+    "mrstft": ("MR-STFT distance", "spectral convergence + log-magnitude L1", False),
+    "logmel": ("log-mel L1", "mean |Δ ln mel|, Slaney 80 bands", False),
+    "cer": ("CER", "character error rate of the Whisper transcript", False),
+}
+DASH = "–"
+
+
+def _mean(value) -> float | None:
+    """The mean of a metric entry ({"mean", "ci", "n"} or a bare number); None if unusable."""
+    m = value.get("mean") if isinstance(value, dict) else value
+    return None if m is None or (isinstance(m, float) and math.isnan(m)) else float(m)
+
+
+def evaluate_budget(metrics: dict, budget: dict) -> list[str]:
+    """Failure messages for every budget entry ({"max": x} and/or {"min": x}) the metric means
+    break; a budgeted metric without a usable mean fails as "name: not measured"."""
+    failures = []
+    for name, limits in budget.items():
+        m = _mean(metrics.get(name))
+        if m is None:
+            failures.append(f"{name}: not measured")
+            continue
+        if "max" in limits and m > limits["max"]:
+            failures.append(f"{name} {m:.3g} > max {limits['max']:.3g}")
+        if "min" in limits and m < limits["min"]:
+            failures.append(f"{name} {m:.3g} < min {limits['min']:.3g}")
+    return failures
+
+
+def metric_names(report: dict) -> list[str]:
+    """Metrics with a value in some candidate or in the budget: METRICS order, unknown last."""
+    seen = {k for c in report.get("candidates", []) for k, v in (c.get("metrics") or {}).items()
+            if _mean(v) is not None} | set(report.get("budget") or {})  # fmt: skip
+    return [m for m in METRICS if m in seen] + sorted(seen - set(METRICS))
+
+
+def _fmt(value) -> str:
+    m = _mean(value)
+    if m is None:
+        return DASH
+    ci = value.get("ci") if isinstance(value, dict) else None
+    if not ci or None in ci:
+        return f"{m:.3g}"
+    return f"{m:.3g} [{ci[0]:.3g}, {ci[1]:.3g}]"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _mb(n: int | None) -> str:
+    return DASH if n is None else f"{n / 1e6:.1f}"
+
+
+def markdown_table(report: dict) -> str:
+    """One row per candidate: name, method, size, each metric as "mean [lo, hi]", pass/fail."""
+    names = metric_names(report)
+    arrows = {True: " ↑", False: " ↓"}
+    head = ["candidate", "method", "size MB (ratio)"]
+    head += [m + arrows[METRICS[m][2]] if m in METRICS else m for m in names] + ["passed"]
+    rows = [head, ["---"] * len(head)]
+    for c in report.get("candidates", []):
+        ratio = c.get("size_ratio")
+        size = _mb(c.get("weight_bytes")) + (f" ({ratio:.2f}×)" if ratio is not None else "")
+        passed = "✓" if c.get("passed") else "✗ " + "; ".join(c.get("failures") or [])
+        metrics = c.get("metrics") or {}
+        rows.append([c.get("name", "?"), c.get("method", DASH), size]
+                    + [_fmt(metrics.get(m)) for m in names] + [passed])  # fmt: skip
+    return "\n".join("| " + " | ".join(_cell(x) for x in r) + " |" for r in rows)
+
+
+def _markdown(report: dict) -> str:
+    ref = report.get("reference") or {}
+    budget = report.get("budget") or {}
+    limits = [f"{m} {'≤' if k == 'max' else '≥'} {v:.3g}"
+              for m, lim in budget.items() for k, v in lim.items()]  # fmt: skip
+    floor = [f"{m} {_fmt(v)}" for m, v in (report.get("noise_floor") or {}).items()]
+    lines = [
+        "# Qwen3-TTS quantization quality",
+        "",
+        f"- Created: {report.get('created', DASH)}",
+        f"- Reference: `{ref.get('path', DASH)}` ({ref.get('recipe', 'bf16')}, "
+        f"{_mb(ref.get('weight_bytes'))} MB, digest `{str(ref.get('digest', DASH))[:12]}`)",
+        f"- Texts: {len(report.get('texts') or [])}; seeds: "
+        + (", ".join(map(str, report.get("seeds") or [])) or DASH),
+        f"- Budget: {', '.join(limits) or 'none'}",
+        f"- Noise floor (reference vs itself): {', '.join(floor) or 'not measured'}",
+        "",
+        "Metrics are means with 95 % bootstrap intervals; ↓ lower is better, ↑ higher.",
+        "",
+        markdown_table(report),
+    ]
+    heads = [(c["name"], c["per_head"]["cp_kl"]) for c in report.get("candidates", [])
+             if (c.get("per_head") or {}).get("cp_kl")]  # fmt: skip
+    if heads:
+        n = max(len(v) for _, v in heads)
+        lines += ["", "## Code-predictor KL per codebook", "",
+                  "| candidate | " + " | ".join(str(i + 1) for i in range(n)) + " |",
+                  "| --- " * (n + 1) + "|"]  # fmt: skip
+        lines += [f"| {_cell(name)} | " + " | ".join(f"{v:.3g}" for v in vals) + " |"
+                  for name, vals in heads]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot_report(report: dict, path: Path) -> None:
+    """One panel per metric: x = weights in MB, y = mean with its CI, one labelled point per
+    candidate; noise floor dashed, budget dotted, reference size a grey vertical line."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure  # no pyplot: no global backend or figure state
+
+    names = [m for m in metric_names(report)
+             if any(_mean((c.get("metrics") or {}).get(m)) is not None
+                    for c in report.get("candidates", []))]  # fmt: skip
+    cols = min(3, max(1, len(names)))
+    rows = max(1, math.ceil(len(names) / cols))
+    fig = Figure(figsize=(4.2 * cols, 3.2 * rows), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    ref_bytes = (report.get("reference") or {}).get("weight_bytes")
+    for ax, m in zip(axes, names, strict=False):
+        label, unit, higher = METRICS.get(m, (m, "", False))
+        for c in report.get("candidates", []):
+            v = (c.get("metrics") or {}).get(m)
+            y, x = _mean(v), c.get("weight_bytes")
+            if y is None or x is None:
+                continue
+            ci = v.get("ci") if isinstance(v, dict) else None
+            err = ([[max(0, y - ci[0])], [max(0, ci[1] - y)]]
+                   if ci and None not in ci else None)  # fmt: skip
+            color = "tab:green" if c.get("passed") else "tab:red"
+            ax.errorbar(x / 1e6, y, yerr=err, fmt="o", color=color, capsize=3)
+            ax.annotate(c.get("name", "?"), (x / 1e6, y), textcoords="offset points",
+                        xytext=(4, 4), fontsize=7)  # fmt: skip
+        floor = _mean((report.get("noise_floor") or {}).get(m))
+        if floor is not None:
+            ax.axhline(floor, ls="--", color="tab:blue", lw=1, label="noise floor")
+        for k, v in ((report.get("budget") or {}).get(m) or {}).items():
+            ax.axhline(v, ls=":", color="tab:red", lw=1, label=f"budget {k}")
+        if ref_bytes:
+            ax.axvline(ref_bytes / 1e6, color="0.7", lw=1, label="bf16 reference")
+        ax.set_title(f"{label} ({'↑' if higher else '↓'} better)", fontsize=9)
+        ax.set_xlabel("weights (MB)", fontsize=8)
+        ax.set_ylabel(unit, fontsize=7)
+        ax.tick_params(labelsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
+    for ax in axes[len(names) :]:
+        ax.set_axis_off()
+    if not names:
+        axes[0].text(0.5, 0.5, "no metrics measured", ha="center", va="center")
+    fig.suptitle("Qwen3-TTS quantization quality (green: within budget, red: failed)", fontsize=10)
+    fig.savefig(path, dpi=110)
+
+
+def write_report(report: dict, out_dir: Path) -> dict[str, Path]:
+    """Write report.json, report.md and report.png into `out_dir`; returns {"json", "md", "png"}."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {k: out_dir / f"report.{k}" for k in ("json", "md", "png")}
+    paths["json"].write_text(json.dumps(report, indent=2, ensure_ascii=False, default=str) + "\n")
+    paths["md"].write_text(_markdown(report))
+    plot_report(report, paths["png"])
+    return paths
