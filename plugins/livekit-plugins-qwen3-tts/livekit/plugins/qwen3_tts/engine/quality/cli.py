@@ -80,10 +80,12 @@ def _load_budget(path: Path) -> dict:
     return data
 
 
-def _candidates(specs: list[str], gptq: list[str]):
-    from ..recipes import load_recipe
+def _candidates(specs: list[str], gptq: list[str], model=None):
+    """Candidates from names, recipe files and checkpoint dirs; with `model`, GPTQ twins of
+    recipes that leave the GPTQ components in full precision are skipped (nothing to do)."""
+    from ..recipes import load_recipe, quantization_plan
     from .candidates import Candidate
-    from .components import COMPONENTS
+    from .components import COMPONENTS, component_paths, quantizable_paths
 
     bad = [c for c in gptq if c not in COMPONENTS]
     if bad:
@@ -101,6 +103,12 @@ def _candidates(specs: list[str], gptq: list[str]):
             out.append(Candidate(recipe.name, "reference"))
             continue
         out.append(Candidate(recipe.name, recipe=recipe))
+        if gptq and model is not None:
+            n = model.config.talker_config.num_hidden_layers
+            planned = quantization_plan(recipe, quantizable_paths(model), n)
+            if not any(p in planned for c in gptq for p in component_paths(model, c)):
+                _say(f"{recipe.name}: leaves {'+'.join(gptq)} unquantized; no GPTQ twin")
+                continue
         if gptq:
             out.append(Candidate(f"{recipe.name}+gptq({'+'.join(gptq)})", "gptq", recipe=recipe,
                                  gptq=tuple(gptq)))  # fmt: skip
@@ -129,16 +137,18 @@ def _summary(report: dict, paths: dict, stored: list[Path]) -> dict:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from . import gate
-    from .evaluate import evaluate
+    from .evaluate import Reference, evaluate
     from .report import markdown_table, write_report
 
     settings = _settings(args)
     reference = _reference(args.reference)
-    candidates = _candidates(_csv(args.candidates), _csv(args.gptq))
+    _candidates(_csv(args.candidates), _csv(args.gptq))  # bad specs fail before any work
     t0 = time.perf_counter()
+    ref = Reference(reference, settings, progress=_say)
+    candidates = _candidates(_csv(args.candidates), _csv(args.gptq), ref.model)
     _say(f"evaluating {len(candidates)} candidate(s) against {reference} on "
          f"{len(settings.texts)} text(s) x {len(settings.seeds)} seed(s)")  # fmt: skip
-    report = evaluate(reference, candidates, settings, progress=_say)
+    report = evaluate(reference, candidates, settings, progress=_say, reference=ref)
     report["eval_s"] = time.perf_counter() - t0
     paths = write_report(report, _out_dir(args, "quality"))
     stored = [] if args.no_store else gate.store(report, paths["json"], args.reference or reference)

@@ -261,6 +261,8 @@ def evaluate(
     for i, cand in enumerate(candidates, 1):
         t0 = time.perf_counter()
         model, details = build(cand, ref.path, calibrate=ref.calibrate, donors=donors)
+        if details.get("plan") == {}:
+            progress(f"note: {cand.name} quantizes no module of this checkpoint (its widths or depth)")
         entry = candidate_entry(ref, cand, model, details, ref.measure(model))
         entry["eval_s"] = time.perf_counter() - t0
         report["candidates"].append(entry)
