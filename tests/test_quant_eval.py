@@ -118,6 +118,9 @@ def test_gptq_lowers_code_predictor_kl_versus_round_to_nearest(tiny_checkpoint):
     assert len(layers) == len(component_paths(ref.model, "code-predictor"))
     assert all(la["gptq_error"] < la["rtn_error"] for la in layers)  # on the calibration data
     assert ratio < 1.0  # and on held-out texts (measured 0.97 with 720 calibration frames)
+    paired = gptq["vs_rtn"]["cp_kl"]
+    assert paired["mean"] < 0 and paired["verdict"].startswith("GPTQ lowers it by")
+    assert gptq["vs_rtn"]["cb0_kl"]["verdict"].startswith("unchanged")  # only the code predictor
     assert gptq["quantized_modules"] == rtn["quantized_modules"]
 
 

@@ -272,4 +272,37 @@ def evaluate(
                  f"{'pass' if entry['passed'] else 'FAIL: ' + '; '.join(entry['failures'])} "
                  f"({entry['eval_s']:.1f}s)")  # fmt: skip
         del model
+    compare_gptq(report, settings.n_boot)
+    for c in report["candidates"]:
+        for metric, d in (c.get("vs_rtn") or {}).items():
+            progress(f"{c['name']}: {metric} {d['verdict']}")
     return report
+
+
+def compare_gptq(report: dict, n_boot: int = 2000) -> None:
+    """Each GPTQ candidate against the round-to-nearest one of the same recipe, paired per item:
+    the difference of the KLs with its interval, and a verdict that says by how much."""
+    from .stats import paired_bootstrap
+
+    rtn = {json_key(c["recipe"]): c for c in report["candidates"] if c["method"] == "rtn"}
+    for c in report["candidates"]:
+        base = rtn.get(json_key(c["recipe"])) if c["method"] == "gptq" else None
+        if base is None:
+            continue
+        c["vs_rtn"] = {}
+        for metric in ("cb0_kl", "cp_kl"):
+            d = paired_bootstrap(c["per_item"][metric], base["per_item"][metric], n_boot=n_boot)
+            rel = d["mean"] / max(base["metrics"][metric]["mean"], 1e-12)
+            if d["mean"] == 0.0:
+                verdict = "unchanged (the GPTQ components do not affect it)"
+            elif d["mean"] < 0:
+                verdict = f"GPTQ lowers it by {-rel:.1%} (CI of the difference {d['ci'][0]:.3g} .. {d['ci'][1]:.3g})"
+            else:
+                verdict = f"GPTQ does NOT lower it: {rel:+.1%} vs round-to-nearest"
+            c["vs_rtn"][metric] = {**d, "relative": rel, "verdict": verdict, "rtn": base["name"]}
+
+
+def json_key(value) -> str:
+    import json
+
+    return json.dumps(value, sort_keys=True)

@@ -123,6 +123,15 @@ def _markdown(report: dict) -> str:
                   "| --- " * (n + 1) + "|"]  # fmt: skip
         lines += [f"| {_cell(name)} | " + " | ".join(f"{v:.3g}" for v in vals) + " |"
                   for name, vals in heads]  # fmt: skip
+    pairs = [c for c in report.get("candidates", []) if c.get("vs_rtn")]
+    if pairs:
+        lines += ["", "## GPTQ vs round-to-nearest (same recipe, paired over items)", "",
+                  "| candidate | metric | GPTQ − RTN [95 % CI] | relative | verdict |",
+                  "| --- | --- | --- | --- | --- |"]  # fmt: skip
+        for c in pairs:
+            for metric, d in c["vs_rtn"].items():
+                lines.append(f"| {_cell(c['name'])} | {metric} | {_fmt(d)} | "
+                             f"{d['relative']:+.1%} | {d['verdict']} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
