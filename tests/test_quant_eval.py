@@ -233,3 +233,28 @@ def test_graft_and_build_keep_the_reference_intact(tiny_checkpoint):
     model, details = build(Candidate("4bit", recipe=RECIPES["4bit"]), src)
     assert details["plan"] and type(model.talker.codec_head).__name__ == "QuantizedLinear"
     assert type(ref.talker.codec_head).__name__ == "Linear"
+
+
+def test_decoder_metrics_see_a_changed_vocoder(tiny_checkpoint):
+    """Decoder distances are 0 for the same vocoder and grow when its weights change."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from livekit.plugins.qwen3_tts.engine.quality.evaluate import audio_metrics, same_decoder
+
+    settings = EvalSettings(texts=TEXTS[:1], seeds=(0,), max_new_tokens=4, language="english", audio_items=1)
+    ref = Reference(tiny_checkpoint(), settings, progress=print)
+    item = ref.items[0]
+    assert item.audio is not None and item.audio.shape == (4 * 1920,)
+    same = audio_metrics(ref.model, item, item.codes, False, ref.sample_rate)  # computed, not assumed
+    assert same["mrstft"] == 0.0 and same["logmel"] == 0.0
+
+    other = load_dir(tiny_checkpoint())
+    params = tree_flatten(other.speech_tokenizer.decoder.parameters())
+    key, w = max(params, key=lambda kv: kv[1].size)  # the largest vocoder tensor
+    noise = mx.random.normal(w.shape, key=mx.random.key(0)).astype(w.dtype) * mx.std(w.astype(mx.float32)).astype(w.dtype)
+    other.speech_tokenizer.decoder.update(tree_unflatten([(key, w + noise)]))
+    assert not same_decoder(ref.model, other)
+    changed = audio_metrics(other, item, item.codes, False, ref.sample_rate)
+    print(key, changed)
+    assert changed["mrstft"] > 0.05 and changed["logmel"] > 0.05
