@@ -5,6 +5,8 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 # The LiveKit call test needs a livekit-server binary (built with Go); without one it is skipped.
 bash scripts/install_livekit_server.sh || echo "WARNING: no livekit-server; the LiveKit call test will be skipped" >&2
+# The browser-client test needs Debian's chromium and the npm packages (livekit-client, playwright-core).
+bash scripts/install_browser.sh || echo "WARNING: browser test dependencies missing; the browser test will be skipped (with CI set: fail)" >&2
 source .venv/openblas.env
 export LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE=0 HF_HUB_OFFLINE=1
 

@@ -1,7 +1,8 @@
-"""`voice-agent`: start | dev | console (LiveKit worker, or the local agent), demo, settings.
+"""`voice-agent`: start | dev | console (LiveKit worker, or the local agent), demo, web, settings.
 
 `start`/`dev`/`console` hand over to LiveKit's own agent CLI with our worker; `demo` runs spoken
-turns from WAV files through the whole pipeline without a LiveKit server.
+turns from WAV files through the whole pipeline without a LiveKit server; `web` serves the browser
+client and its token endpoint.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from .settings import add_arguments, from_args, markdown_table
+from .settings import WebSettings, add_arguments, from_args, markdown_table
 
 LIVEKIT_COMMANDS = ("start", "dev", "console", "connect", "download-files")
 
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tts-requests", type=int, default=8)
     b.add_argument("--out", type=Path)
     add_arguments(b)
+    w = sub.add_parser("web", help="the browser client and its LiveKit token endpoint")
+    add_arguments(w, WebSettings)
     sub.add_parser("settings", help="print the settings table (Markdown)")
     return p
 
@@ -49,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "settings":
         print(markdown_table())
         return 0
+    if args.command == "web":
+        from .web_client import run_web
+
+        return run_web(from_args(args, WebSettings))
     from .demo import run_demo
     from .local_services import resolve_offline
 

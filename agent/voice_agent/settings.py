@@ -1,6 +1,7 @@
 """One settings object for the voice agent: defaults < `.env` < environment < CLI flags.
 
 `FIELDS` documents every setting (the README's configuration table is generated from it).
+`WebSettings` is the same pattern for `voice-agent web` (the browser client's server).
 """
 
 from __future__ import annotations
@@ -10,14 +11,43 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Self
 
 
-def _f(env: str, default, help: str):
-    return field(default=default, metadata={"env": env, "help": help})
+def _f(env: str, default, help: str, *, flag: bool = True):
+    """A setting read from `env`; `flag=False`: no command-line flag (secrets stay out of `ps`)."""
+    return field(default=default, metadata={"env": env, "help": help, "flag": flag})
+
+
+class _EnvSettings:
+    """`load()` for a settings dataclass whose fields carry `env`/`help` metadata (see `_f`)."""
+
+    @classmethod
+    def load(cls, env: Mapping[str, str] | None = None, dotenv: Path | None = Path(".env"),
+             overrides: Mapping[str, object] | None = None) -> Self:  # fmt: skip
+        """Read `.env` (if present), then the environment, then `overrides` (CLI flags)."""
+        values: dict[str, str] = {}
+        if dotenv is not None and dotenv.is_file():
+            from dotenv import dotenv_values
+
+            values.update({k: v for k, v in dotenv_values(dotenv).items() if v is not None})
+        values.update(os.environ if env is None else env)
+        kwargs: dict[str, object] = {}
+        for f in fields(cls):
+            raw = values.get(f.metadata["env"])
+            if raw is not None and raw != "":
+                kwargs[f.name] = _parse(f, raw)
+        offline_field = any(f.name == "offline" for f in fields(cls))
+        if offline_field and values.get("HF_HUB_OFFLINE", "") in ("1", "true", "True"):
+            kwargs["offline"] = True
+        for key, value in (overrides or {}).items():
+            if value is not None:
+                kwargs[key] = value
+        return cls(**kwargs)
 
 
 @dataclass
-class Settings:
+class Settings(_EnvSettings):
     tts_url: str | None = _f("TTS_URL", None, "Qwen3-TTS engine or vLLM-Omni URL(s), comma-separated; "
                              "unset: start one local engine per host (shared by its workers)")
     tts_model: str = _f("TTS_MODEL", "mlx-community/Qwen3-TTS-12Hz-0.6B-CustomVoice",
@@ -55,27 +85,24 @@ class Settings:
     offline: bool = _f("VOICE_AGENT_OFFLINE", False, "never use the network: bundled and generated "
                        "models only (also implied by HF_HUB_OFFLINE=1)")
 
-    @classmethod
-    def load(cls, env: Mapping[str, str] | None = None, dotenv: Path | None = Path(".env"),
-             overrides: Mapping[str, object] | None = None) -> Settings:  # fmt: skip
-        """Read `.env` (if present), then the environment, then `overrides` (CLI flags)."""
-        values: dict[str, str] = {}
-        if dotenv is not None and dotenv.is_file():
-            from dotenv import dotenv_values
 
-            values.update({k: v for k, v in dotenv_values(dotenv).items() if v is not None})
-        values.update(os.environ if env is None else env)
-        kwargs: dict[str, object] = {}
-        for f in fields(cls):
-            raw = values.get(f.metadata["env"])
-            if raw is not None and raw != "":
-                kwargs[f.name] = _parse(f, raw)
-        if values.get("HF_HUB_OFFLINE", "") in ("1", "true", "True"):
-            kwargs["offline"] = True
-        for key, value in (overrides or {}).items():
-            if value is not None:
-                kwargs[key] = value
-        return cls(**kwargs)
+@dataclass
+class WebSettings(_EnvSettings):
+    """`voice-agent web`: the browser client and its token endpoint."""
+
+    livekit_url: str | None = _f("LIVEKIT_URL", None, "LiveKit server the tokens are for (ws:// or wss://)")
+    livekit_api_key: str | None = _f("LIVEKIT_API_KEY", None, "API key that signs the tokens")
+    livekit_api_secret: str | None = _f("LIVEKIT_API_SECRET", None, "API secret that signs the tokens "
+                                        "(environment or .env only; never sent to the page)",
+                                        flag=False)  # fmt: skip
+    web_livekit_url: str | None = _f("WEB_LIVEKIT_URL", None, "LiveKit URL as the browser must "
+                                     "reach it, when that differs from LIVEKIT_URL")
+    web_host: str = _f("WEB_HOST", "127.0.0.1", "address the web server binds (the token "
+                       "endpoint has no login: expose it only behind your own auth)")
+    web_port: int = _f("WEB_PORT", 8300, "port of the web server")
+    web_token_ttl: int = _f("WEB_TOKEN_TTL", 600, "seconds a token stays valid for joining")
+    web_client_js: str | None = _f("WEB_CLIENT_JS", None, "path of livekit-client.umd.js (unset: "
+                                   "agent/voice_agent/web/node_modules, from npm ci)")
 
 
 def _parse(f, raw: str):
@@ -94,9 +121,11 @@ def _parse(f, raw: str):
     return raw
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, cls: type = Settings) -> None:
     """One `--flag` per setting (e.g. --tts-url); unset flags fall back to the environment."""
-    for f in fields(Settings):
+    for f in fields(cls):
+        if not f.metadata.get("flag", True):
+            continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in (bool, "bool"):
             parser.add_argument(flag, action="store_true", default=None, help=f.metadata["help"])
@@ -110,13 +139,13 @@ def _argtype(f):
     return int if kind.startswith("int") else float if kind.startswith("float") else str
 
 
-def from_args(args: argparse.Namespace) -> Settings:
-    return Settings.load(overrides={f.name: getattr(args, f.name, None) for f in fields(Settings)})
+def from_args(args: argparse.Namespace, cls: type = Settings):
+    return cls.load(overrides={f.name: getattr(args, f.name, None) for f in fields(cls)})
 
 
-def markdown_table() -> str:
+def markdown_table(cls: type = Settings) -> str:
     rows = ["| variable | flag | default | meaning |", "| --- | --- | --- | --- |"]
-    for f in fields(Settings):
-        rows.append(f"| `{f.metadata['env']}` | `--{f.name.replace('_', '-')}` | "
-                    f"`{f.default}` | {f.metadata['help']} |")  # fmt: skip
+    for f in fields(cls):
+        flag = f"`--{f.name.replace('_', '-')}`" if f.metadata.get("flag", True) else "–"
+        rows.append(f"| `{f.metadata['env']}` | {flag} | `{f.default}` | {f.metadata['help']} |")
     return "\n".join(rows)
