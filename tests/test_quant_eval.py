@@ -198,6 +198,8 @@ def test_ablate_cli_proposes_a_recipe_inside_the_budget(tiny_checkpoint, tmp_pat
     assert passing and passing[0]["passed"] and passing[0]["metrics"]["cp_kl"] <= 0.004
     failing = [c for c in summary["candidates"] if c["name"] == "w4g64"]
     assert failing and not failing[0]["passed"]
+    md = (out / "report.md").read_text()
+    assert "| 1 | code-predictor |" in md and f"Proposed recipe: `{recipe.name}`" in md
 
 
 @pytest.mark.parametrize(
@@ -207,23 +209,51 @@ def test_ablate_cli_proposes_a_recipe_inside_the_budget(tiny_checkpoint, tmp_pat
         (["eval", "--candidates", "4bit", "--gptq", "decoder"], "unknown --gptq component"),
         (["eval", "--seeds", "a,b"], "--seeds must be integers"),
         (["ablate", "--components", "nothing"], "unknown component"),
+        (["ablate", "--bits", "8", "--keep-bits", "6"], "must be more than --bits"),
+        (["eval", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+        (["eval", "--audio-items", "-1"], "--audio-items must be >= 0"),
+        (["eval", "--seeds", "-1"], "each >= 0"),
         (["quantize", "/nonexistent/ckpt", "/tmp/x", "--recipe", "4bit"], "does not exist"),
     ],
 )
 def test_quality_cli_rejects_bad_input(tiny_checkpoint, args, message):
-    if args[0] != "quantize":
-        args = [*args, "--reference", str(tiny_checkpoint()), "--texts", "1", "--seeds", args[-1]
-                if args[-2] == "--seeds" else "0", "--max-new-tokens", "2", "--audio-items", "0"]  # fmt: skip
+    if args[0] != "quantize":  # small defaults for what the case does not set itself
+        defaults = {"--reference": str(tiny_checkpoint()), "--texts": "1", "--seeds": "0",
+                    "--max-new-tokens": "2", "--audio-items": "0"}  # fmt: skip
+        args = [*args, *(x for k, v in defaults.items() if k not in args for x in (k, v))]
     r = cli(*args, timeout=300)
     assert r.returncode == 2, (r.stdout, r.stderr[-2000:])
     assert message in r.stderr
 
 
-def test_budget_file_errors(tiny_checkpoint, tmp_path):
-    bad = tmp_path / "budget.json"
-    bad.write_text(json.dumps({"kl": {"max": 1}}))
+@pytest.mark.parametrize("name, text, message", [
+    ("budget.json", json.dumps({"kl": {"max": 1}}), "unknown metric 'kl'"),
+    ("budget.json", json.dumps({"cb0_kl": {"min": 2, "max": 1}}), "min > max"),
+    ("budget.yaml", "cb0_kl: {max: [", "cannot read budget"),
+    ("budget.json", json.dumps({"cb0_kl": {"max": "low"}}), "needs {max: number}"),
+])  # fmt: skip
+def test_budget_file_errors(tiny_checkpoint, tmp_path, name, text, message):
+    bad = tmp_path / name
+    bad.write_text(text)
     r = cli("eval", "--reference", str(tiny_checkpoint()), "--budget", str(bad), timeout=300)
-    assert r.returncode == 2 and "unknown metric 'kl'" in r.stderr
+    assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]
+
+
+def test_quantize_never_replaces_a_folder_it_did_not_write(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint()
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "keep.txt").write_text("mine")
+    r = cli("quantize", str(src), str(notes), "--recipe", "8bit", timeout=300)
+    assert r.returncode == 2 and "non-empty folder" in r.stderr
+    assert (notes / "keep.txt").read_text() == "mine"
+    r = cli("quantize", str(src), str(src.parent), "--recipe", "8bit", timeout=300)
+    assert r.returncode == 2 and "must be outside the source" in r.stderr and (src / "config.json").is_file()
+    out = tmp_path / "q8"
+    assert cli("quantize", str(src), str(out), "--recipe", "8bit", timeout=300).returncode == 0
+    assert cli("quantize", str(src), str(out), "--recipe", "4bit", timeout=300).returncode == 0  # its own output
+    assert json.loads((out / "config.json").read_text())["qwen3_tts_recipe"] == "4bit"
+    assert not list(out.glob("*.index.json"))  # no stale index of the source's weights
 
 
 def test_graft_and_build_keep_the_reference_intact(tiny_checkpoint):
@@ -258,3 +288,48 @@ def test_decoder_metrics_see_a_changed_vocoder(tiny_checkpoint):
     changed = audio_metrics(other, item, item.codes, False, ref.sample_rate)
     print(key, changed)
     assert changed["mrstft"] > 0.05 and changed["logmel"] > 0.05
+
+
+def _eos_row(src: Path, dst: Path, scale: float) -> Path:
+    """A copy of `src` with the talker's EOS logit row scaled (0: the model can never stop)."""
+    import mlx.core as mx
+
+    shutil.copytree(src, dst)
+    weights = mx.load(str(dst / "model.safetensors"))
+    key = "talker.codec_head.weight"
+    w = np.array(weights[key].astype(mx.float32))
+    w[load_dir(src).config.talker_config.codec_eos_token_id] *= scale
+    weights[key] = mx.array(w).astype(weights[key].dtype)
+    mx.save_safetensors(str(dst / "model.safetensors"), weights, metadata={"format": "mlx"})
+    return dst
+
+
+def test_free_running_metrics_catch_a_candidate_that_never_stops(tiny_checkpoint, tmp_path):
+    """Reference: EOS made likely (it stops after 1-40 frames); candidate: EOS row zeroed."""
+    ref = _eos_row(tiny_checkpoint(eos=True), tmp_path / "stops", 3.0)
+    never = _eos_row(ref, tmp_path / "never-stops", 0.0)
+    settings = EvalSettings(texts=TEXTS[:3], seeds=(0, 1), max_new_tokens=40, language="english", n_boot=300)
+    report = evaluate(ref, [Candidate("same", "checkpoint", path=ref),
+                            Candidate("never-stops", "checkpoint", path=never)], settings)  # fmt: skip
+    same, bad = (c["metrics"] for c in report["candidates"])
+    stopped = [not cap for cap in report["reference"]["hit_cap"]]
+    print(report["reference"]["frames"], {k: bad[k]["mean"] for k in ("runaway_rate", "length_ratio", "eos_drift")})
+    assert sum(stopped) >= 3  # the reference stops by itself on most items
+    assert same["runaway_rate"]["mean"] == 0.0 and same["length_ratio"]["mean"] == 1.0
+    assert bad["runaway_rate"]["mean"] == sum(stopped) / len(stopped)
+    assert bad["length_ratio"]["mean"] > 2.0
+    assert bad["eos_drift"]["mean"] > 0.005 and same["eos_drift"]["mean"] == 0.0  # measured 0.011
+    assert not report["candidates"][1]["passed"] and report["candidates"][0]["passed"]
+
+
+def test_run_comparisons():
+    from livekit.plugins.qwen3_tts.engine.quality.free_running import compare_runs, first_divergence
+
+    a = np.arange(10 * 16).reshape(10, 16)
+    b = a.copy()
+    b[6, 15] += 1
+    assert first_divergence(a, a) == 10 and first_divergence(a, b) == 6
+    assert first_divergence(a, a[:4]) == 4  # a prefix diverges where it ends
+    assert compare_runs(a, a[:5], False, False) == {"length_ratio": 0.5, "runaway_rate": 0.0, "first_divergence": 5.0}
+    assert compare_runs(a, b, True, False)["runaway_rate"] == 1.0  # capped where the reference stopped
+    assert compare_runs(a, b, True, True)["runaway_rate"] == 0.0  # both capped: not the candidate's fault

@@ -82,6 +82,7 @@ def build_server(args: argparse.Namespace):
     from .engine.governor import Governor
     from .engine.handler import Handler
     from .engine.memory import detect_probe
+    from .engine.quality.cli import _load_budget
     from .engine.server import Engine, EngineServer, ServerConfig
     from .protocol import Limits
 
@@ -99,7 +100,9 @@ def build_server(args: argparse.Namespace):
     governor = Governor(engine, detect_probe(args.memory_source), policy,
                         interval_s=args.governor_interval, drain_deadline_s=args.drain_deadline,
                         auto=not args.no_governor,
-                        allow_unevaluated=[v.strip() for v in (args.allow_unevaluated or "").split(",") if v.strip()])  # fmt: skip
+                        allow_unevaluated=[v.strip() for v in (args.allow_unevaluated or "").split(",") if v.strip()],
+                        quality_budget=_load_budget(Path(args.quality_budget)) if args.quality_budget else None,
+                        quality_min_items=args.quality_min_items)  # fmt: skip
     return EngineServer(engine, config, governor)
 
 
@@ -296,6 +299,10 @@ def _add_governor_options(s: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-unevaluated", metavar="VARIANTS",
                    help="operator consent: put these quantized rungs (comma-separated, or 'all') "
                    "on the ladder without a stored passing `qwen3-tts eval` report")
+    g.add_argument("--quality-budget", metavar="FILE",
+                   help="JSON/YAML budget a stored report must meet (default: eval's default budget)")
+    g.add_argument("--quality-min-items", type=int, default=6, metavar="N",
+                   help="fewest evaluated items a stored report needs (default 6)")
     g.add_argument("--no-governor", action="store_true",
                    help="no automatic swaps (POST /v1/engine/variant still works)")
 

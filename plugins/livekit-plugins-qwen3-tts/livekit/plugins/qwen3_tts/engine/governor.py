@@ -33,7 +33,7 @@ from .policy import (
     effective_ladder,
     nominal_bits,
 )
-from .recipes import get_recipe
+from .recipes import RECIPES, get_recipe
 from .server import Engine
 from .variants import resolve
 
@@ -94,11 +94,19 @@ class Governor:
         auto: bool = True,
         clock: Callable[[], float] = time.monotonic,
         allow_unevaluated: Collection[str] = (),
+        quality_budget: dict | None = None,
+        quality_min_items: int = 6,
     ) -> None:
         self.engine = engine
-        # Quality gate: quantized rungs below the start need a stored passing report, or the
-        # operator's consent ("all" or variant names).
+        # Quality gate: quantized rungs below the start need a stored report that passes this
+        # budget (default: eval's) on enough items, or the operator's consent ("all" or names).
         self.allow_unevaluated = frozenset(allow_unevaluated)
+        unknown = sorted(self.allow_unevaluated - set(RECIPES) - {"all"})
+        if unknown:
+            raise ValueError(f"--allow-unevaluated: unknown variant(s) {', '.join(unknown)}; "
+                             f"valid: all, {', '.join(RECIPES)}")  # fmt: skip
+        self.quality_budget = quality_budget
+        self.quality_min_items = quality_min_items
         self.rung_checks: dict[str, dict] = {}
         self.probe = probe if probe is not None else detect_probe()
         self.configured = policy or Policy()
@@ -148,7 +156,7 @@ class Governor:
     def _plan(self, start: str) -> tuple[tuple[str, ...], dict[str, int]]:
         """The rungs this model can load (file reads: run in a thread) and their weight bytes."""
         rungs = tuple(v for v in effective_ladder(self.configured.ladder, start)
-                      if v == start or (self._loadable(v) and self._passes_gate(v, start)))  # fmt: skip
+                      if (v == start or self._loadable(v)) and self._passes_gate(v, start))  # fmt: skip
         model_dir = Path(self.engine.model).expanduser()
         return rungs, checkpoint_weight_bytes(model_dir, rungs) if model_dir.is_dir() else {}
 
@@ -160,10 +168,17 @@ class Governor:
     def _passes_gate(self, variant: str, start: str) -> bool:
         from .quality.gate import check_rung
 
-        check = check_rung(self.engine.model, variant, start=start, consent=self.allow_unevaluated)
+        budget = self.quality_budget
+        if budget is None:
+            from .quality.evaluate import DEFAULT_BUDGET as budget
+        check = check_rung(self.engine.model, variant, start=start, consent=self.allow_unevaluated,
+                           budget=budget, min_items=self.quality_min_items)  # fmt: skip
         self.rung_checks[variant] = check
         if not check["accepted"]:
             logger.warning("governor: %s is left off the ladder: %s", variant, check["why"])
+        elif check["why"].startswith("operator consent"):
+            logger.warning("governor: %s is on the ladder without a passing quality report "
+                           "(operator consent)", variant)  # fmt: skip
         return check["accepted"]
 
     def _loadable(self, variant: str) -> bool:
@@ -368,6 +383,8 @@ class Governor:
             "retiring": [h.name for h in self.engine.retiring],
             "history": [r.as_dict() for r in self.history],
             "quality_gate": {"allow_unevaluated": sorted(self.allow_unevaluated),
+                             "budget": self.quality_budget or "qwen3-tts eval's default",
+                             "min_items": self.quality_min_items,
                              "rungs": self.rung_checks},
         }  # fmt: skip
 

@@ -122,7 +122,8 @@ def save_quantized(model, src: Path, dst: Path, plan: dict, recipe: Recipe, *,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for item in src.iterdir():
-        if item.name == "config.json" or (item.suffix == ".safetensors" and item.is_file()):
+        if item.name == "config.json" or (item.is_file() and item.name.endswith(
+                (".safetensors", ".safetensors.index.json"))):  # the weights are rewritten whole
             continue
         (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})

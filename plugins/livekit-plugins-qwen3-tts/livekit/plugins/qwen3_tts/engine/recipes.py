@@ -136,13 +136,13 @@ def recipe_to_dict(recipe: Recipe) -> dict:
 def _bits(value, where: str) -> int | None:
     if value is None or value in ("bf16", "none"):
         return None
-    if isinstance(value, bool) or value not in VALID_BITS:
+    if type(value) is not int or value not in VALID_BITS:
         raise ValueError(f"{where}: bits must be one of {VALID_BITS} or null (full precision), got {value!r}")
     return value
 
 
 def _group(value, where: str) -> int:
-    if isinstance(value, bool) or value not in VALID_GROUP_SIZES:
+    if type(value) is not int or value not in VALID_GROUP_SIZES:
         raise ValueError(f"{where}: group_size must be one of {VALID_GROUP_SIZES}, got {value!r}")
     return value
 
@@ -173,21 +173,20 @@ def recipe_from_dict(data: dict, *, default_name: str = "custom") -> Recipe:
         if "bits" not in r:
             raise ValueError(f"{where}: `bits` is required (null keeps full precision)")
         bits, gs = _bits(r["bits"], where), _group(r.get("group_size", group), where)
+        layers = r.get("layers")
+        if layers is not None and (not isinstance(layers, list | tuple) or len(layers) != 2
+                                   or not all(type(x) is int for x in layers)):  # fmt: skip
+            raise ValueError(f"{where}: layers must be [first, last] (integers), got {layers!r}")
         if "component" in r:
             from .quality.components import rule
 
             base = rule(r["component"], bits, gs)
-            layers = tuple(r["layers"]) if "layers" in r else base.layers
-            rules.append(Rule(base.pattern, bits, gs, layers))
+            rules.append(Rule(base.pattern, bits, gs, tuple(layers) if layers else base.layers))
             continue
         try:
             re.compile(r["pattern"])
         except (re.error, TypeError) as e:
             raise ValueError(f"{where}: bad pattern {r['pattern']!r}: {e}") from None
-        layers = r.get("layers")
-        if layers is not None and (not isinstance(layers, list | tuple) or len(layers) != 2
-                                   or not all(isinstance(x, int) for x in layers)):  # fmt: skip
-            raise ValueError(f"{where}: layers must be [first, last] (integers), got {layers!r}")
         rules.append(Rule(r["pattern"], bits, gs, tuple(layers) if layers else None))
     name = data.get("name") or default_name
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", name):

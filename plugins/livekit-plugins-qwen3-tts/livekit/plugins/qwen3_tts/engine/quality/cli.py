@@ -42,7 +42,11 @@ def _settings(args):
 
     texts = EVAL_TEXTS
     if args.texts_file:
-        texts = tuple(t.strip() for t in Path(args.texts_file).read_text().splitlines() if t.strip())
+        try:
+            lines = Path(args.texts_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read --texts-file: {e}") from None
+        texts = tuple(t.strip() for t in lines if t.strip())
         if not texts:
             raise ValueError(f"{args.texts_file} holds no text")
     if args.texts is not None:
@@ -53,8 +57,15 @@ def _settings(args):
         seeds = tuple(int(s) for s in _csv(args.seeds))
     except ValueError:
         raise ValueError(f"--seeds must be integers separated by commas, got {args.seeds!r}") from None
-    if not seeds:
-        raise ValueError("--seeds needs at least one seed")
+    if not seeds or min(seeds) < 0:
+        raise ValueError("--seeds needs at least one seed, each >= 0")
+    for name in ("max_new_tokens", "calibration_frames"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.audio_items < 0:
+        raise ValueError("--audio-items must be >= 0")
+    if args.audio_items:
+        _need_audio_metrics()
     settings = EvalSettings(texts=texts, seeds=seeds, max_new_tokens=args.max_new_tokens,
                             voice=args.voice, language=args.language, audio_items=args.audio_items,
                             calibration_frames=args.calibration_frames)  # fmt: skip
@@ -63,11 +74,27 @@ def _settings(args):
     return settings
 
 
+def _need_audio_metrics() -> None:
+    try:
+        import faster_whisper  # noqa: F401
+        import livekit.plugins.silero  # noqa: F401
+
+        import livekit.plugins.faster_whisper  # noqa: F401
+    except ImportError as e:
+        raise ValueError(f"audio metrics need livekit-plugins-faster-whisper and livekit-plugins-silero "
+                         f"({e}); install them or pass --audio-items 0") from None  # fmt: skip
+
+
 def _load_budget(path: Path) -> dict:
+    import yaml
+
     from .report import METRICS
 
-    text = path.read_text()
-    data = __import__("yaml").safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    try:
+        text = path.read_text()
+        data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read budget {path}: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a budget maps metric names to {{max: x}} and/or {{min: x}}")
     for name, limits in data.items():
@@ -77,13 +104,15 @@ def _load_budget(path: Path) -> dict:
             isinstance(v, int | float) and not isinstance(v, bool) for v in limits.values()
         ):  # fmt: skip
             raise ValueError(f"{path}: {name} needs {{max: number}} and/or {{min: number}}")
+        if limits.get("min", float("-inf")) > limits.get("max", float("inf")):
+            raise ValueError(f"{path}: {name} has min > max")
     return data
 
 
 def _candidates(specs: list[str], gptq: list[str], model=None):
     """Candidates from names, recipe files and checkpoint dirs; with `model`, GPTQ twins of
     recipes that leave the GPTQ components in full precision are skipped (nothing to do)."""
-    from ..recipes import load_recipe, quantization_plan
+    from ..recipes import RECIPES, load_recipe, quantization_plan
     from .candidates import Candidate
     from .components import COMPONENTS, component_paths, quantizable_paths
 
@@ -93,7 +122,7 @@ def _candidates(specs: list[str], gptq: list[str], model=None):
     out = []
     for spec in specs:
         path = Path(spec).expanduser()
-        if path.is_dir():
+        if spec not in RECIPES and path.is_dir():  # a built-in name wins over a folder of that name
             if not (path / "config.json").is_file():
                 raise ValueError(f"{spec}: a directory without config.json is not a checkpoint")
             out.append(Candidate(path.name, "checkpoint", path=path))
@@ -176,6 +205,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if donor is not None and not (donor / "config.json").is_file():
         raise ValueError(f"--donor {args.donor}: not a checkpoint directory")
     keep = None if args.keep_bits == "bf16" else int(args.keep_bits)
+    if keep is not None and keep <= args.bits:
+        raise ValueError(f"--keep-bits {keep} must be more than --bits {args.bits} (or bf16)")
     report = ablate(reference, bits=args.bits, group_size=args.group_size, keep_bits=keep, donor=donor,
                     components=_csv(args.components) or None, settings=settings, progress=_say)  # fmt: skip
     out = _out_dir(args, "ablation")
@@ -198,6 +229,23 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     return _finish(args, report, paths, [], markdown_table)
 
 
+def _check_out(out: Path, src: Path, force: bool) -> None:
+    """OUT is replaced whole: never the source, a folder around it, or someone else's files."""
+    o, s = out.resolve(), src.resolve()
+    if o == s or o in s.parents or s in o.parents:
+        raise ValueError(f"OUT ({out}) must be outside the source checkpoint and not contain it")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"OUT ({out}) exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        try:
+            ours = "qwen3_tts_recipe" in json.loads((out / "config.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            ours = False
+        if not ours:
+            raise ValueError(f"OUT ({out}) is a non-empty folder that `qwen3-tts quantize` did not "
+                             "write; it would be replaced: pass --force or choose another folder")  # fmt: skip
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
     from ..loading import save_quantized
     from ..recipes import load_recipe
@@ -209,12 +257,13 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise ValueError(f"recipe {recipe.name!r} quantizes nothing")
     src = _reference(args.model)
     out = Path(args.out).expanduser()
-    if out.resolve() == src.resolve():
-        raise ValueError("OUT must differ from the source checkpoint")
+    _check_out(out, src, args.force)
     gptq = _csv(args.gptq)
     cand = _candidates([args.recipe], gptq)[-1]  # the GPTQ twin when --gptq is given
     t0 = time.perf_counter()
     calibrate = None
+    if args.calibration_frames is not None and args.calibration_frames < 1:
+        raise ValueError("--calibration-frames must be at least 1")
     if gptq:
         ref = Reference(src, EvalSettings(texts=(), calibration_frames=args.calibration_frames),
                         progress=_say)  # fmt: skip
@@ -224,12 +273,14 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     model, details = build(cand, src, calibrate=calibrate, progress=not args.json)
     extra = {"qwen3_tts_gptq": list(gptq)} if gptq else None
     save_quantized(model, src, out, details["plan"], recipe, progress=not args.json, extra=extra)
+    model = calibrate = ref = None  # noqa: F841 (one model in memory at a time)
+    source_bytes = weight_bytes(load_dir(src))
     loaded = load_dir(out)  # the proof: mlx-audio's own loader reads it back
     result = {
         "out": str(out), "recipe": recipe.name, "method": cand.method,
         "quantized_modules": len(details["plan"]),
         "bits": sorted({b for b, _ in details["plan"].values()}),
-        "weight_bytes": weight_bytes(loaded), "source_weight_bytes": weight_bytes(load_dir(src)),
+        "weight_bytes": weight_bytes(loaded), "source_weight_bytes": source_bytes,
         "gptq_layers": details.get("gptq", []), "seconds": time.perf_counter() - t0,
     }  # fmt: skip
     if args.json:
@@ -267,6 +318,7 @@ def add_parsers(sub) -> None:
     q.add_argument("--recipe", required=True, help="built-in recipe name or a .json/.yaml recipe file")
     q.add_argument("--gptq", help=f"components quantized with GPTQ instead of RTN ({comps})")
     q.add_argument("--calibration-frames", type=int, help="frame cap per calibration text")
+    q.add_argument("--force", action="store_true", help="replace a non-empty OUT folder")
     q.add_argument("--json", action="store_true")
     q.set_defaults(fn=cmd_quantize)
 

@@ -117,6 +117,14 @@ class Reference:
                  f"frames in {time.perf_counter() - t0:.1f}s")  # fmt: skip
         self.weight_bytes = weight_bytes(self.model)
         self._calibration: list[tuple[SpeechRequest, np.ndarray]] | None = None
+        self._noise: dict | None = None
+
+    def sampling_options(self) -> dict:
+        """The sampler settings every free run used (the model's generation defaults)."""
+        req = self.settings.request(self.model, "x", 0)
+        options = self.model._resolve_generation_options(
+            req.temperature, None, req.top_k, req.top_p, req.repetition_penalty)
+        return {k: options[k] for k in ("temperature", "top_k", "top_p", "repetition_penalty")}
 
     def calibration(self) -> list[tuple[SpeechRequest, np.ndarray]]:
         """(request, codes) the reference generates for the calibration texts (GPTQ)."""
@@ -152,6 +160,15 @@ class Reference:
             logger.debug("item %d: %s", k, row)
         return per_item
 
+    def noise_summary(self) -> dict:
+        """Summaries of the noise floor (computed once per reference)."""
+        if self._noise is None:
+            self._noise, _ = summarize(self.noise_floor(), self.settings.n_boot)
+            for name in TEACHER_FORCED:  # forced along its own codes: zero by construction
+                self._noise[name] = {"mean": 1.0 if name.endswith("top1") else 0.0, "ci": None,
+                                     "n": len(self.items), "note": "by construction"}  # fmt: skip
+        return self._noise
+
     def noise_floor(self) -> dict[str, list]:
         """The reference against itself from other seeds: free-running and audio metrics."""
         per_item: dict[str, list] = {}
@@ -164,6 +181,18 @@ class Reference:
             for key, value in row.items():
                 per_item.setdefault(key, []).append(value)
         return per_item
+
+
+def versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("mlx", "mlx-audio", "numpy", "faster-whisper", "livekit-plugins-qwen3-tts"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 def decode(model, codes: np.ndarray) -> np.ndarray:
@@ -241,9 +270,7 @@ def evaluate(
     """The report dict (schema qwen3-tts-quality/1) for `candidates` against the reference."""
     settings = settings or EvalSettings()
     ref = reference or Reference(reference_path, settings, progress=progress)
-    noise, _ = summarize(ref.noise_floor(), settings.n_boot)
-    for name in TEACHER_FORCED:  # the reference forced along its own codes: zero by construction
-        noise[name] = {"mean": 1.0 if name.endswith("top1") else 0.0, "ci": None, "n": len(ref.items)}
+    noise = ref.noise_summary()
     report = {
         "schema": SCHEMA,
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -254,7 +281,10 @@ def evaluate(
         "texts": list(settings.texts), "seeds": list(settings.seeds),
         "settings": {"max_new_tokens": settings.max_new_tokens, "voice": settings.voice,
                      "language": settings.language, "audio_items": settings.audio_items,
-                     "noise_seed_offset": settings.noise_seed_offset},  # fmt: skip
+                     "noise_seed_offset": settings.noise_seed_offset, "n_boot": settings.n_boot,
+                     "calibration_texts": list(settings.calibration_texts),
+                     "calibration_frames": settings.calibration_frames,
+                     "sampling": ref.sampling_options(), "versions": versions()},  # fmt: skip
         "budget": settings.budget, "noise_floor": noise, "candidates": [],
     }
     donors: dict = {}
@@ -295,6 +325,8 @@ def compare_gptq(report: dict, n_boot: int = 2000) -> None:
             rel = d["mean"] / max(base["metrics"][metric]["mean"], 1e-12)
             if d["mean"] == 0.0:
                 verdict = "unchanged (the GPTQ components do not affect it)"
+            elif d["ci"][1] >= 0 and d["ci"][0] <= 0:
+                verdict = f"no significant change: {rel:+.1%} vs round-to-nearest (CI of the difference includes 0)"
             elif d["mean"] < 0:
                 verdict = f"GPTQ lowers it by {-rel:.1%} (CI of the difference {d['ci'][0]:.3g} .. {d['ci'][1]:.3g})"
             else:

@@ -33,7 +33,13 @@ def model_key(model: str | Path) -> str:
     if (path / "config.json").is_file():
         newest = max(f.stat().st_mtime_ns for f in [path / "config.json", *path.glob("*.safetensors")])
         return _dir_key(str(path.resolve()), newest)
-    return "hub-" + hashlib.sha256(str(model).encode()).hexdigest()[:16]
+    from ..variants import resolve_model
+
+    try:
+        name = resolve_model(str(model)).name  # Qwen/X and mlx-community/X are one model
+    except ValueError:
+        name = str(model)
+    return "hub-" + hashlib.sha256(name.encode()).hexdigest()[:16]
 
 
 def verdict_path(model: str | Path, recipe: Recipe) -> Path:
@@ -71,21 +77,43 @@ def lookup(model: str | Path, recipe: Recipe) -> dict | None:
         return None
 
 
+def verdict_failures(verdict: dict, budget: dict | None, min_items: int) -> list[str]:
+    """Why a stored verdict does not pass here: its own failures, the engine's budget (which may
+    be stricter than the one it was evaluated with), or too few evaluated items."""
+    from .report import evaluate_budget
+
+    failures = list(verdict["failures"])
+    if budget is not None:
+        failures += [f for f in evaluate_budget(verdict["metrics"], budget) if f not in failures]
+    if verdict.get("items", 0) < min_items:
+        failures.append(f"evaluated on {verdict.get('items', 0)} items < {min_items} required")
+    return failures
+
+
 def check_rung(model: str | Path, variant: str, *, start: str | None = None,
-               consent: frozenset[str] = frozenset()) -> dict:  # fmt: skip
+               consent: frozenset[str] = frozenset(), budget: dict | None = None,
+               min_items: int = 1) -> dict:  # fmt: skip
     """Whether the ladder may use `variant`, why, and the stored verdict if there is one."""
     recipe = get_recipe(variant)
     verdict = lookup(model, recipe) if recipe.is_quantized else None
+    failures = verdict_failures(verdict, budget, min_items) if verdict is not None else None
     if not recipe.is_quantized:
         accepted, why = True, "full precision (the reference itself)"
     elif variant == start:
         accepted, why = True, "the variant the engine was started with (operator's choice)"
-    elif verdict is not None and verdict["passed"]:
+    elif verdict is not None and not failures:
         accepted, why = True, "stored passing report"
     elif "all" in consent or variant in consent:
         accepted, why = True, "operator consent (--allow-unevaluated)"
     elif verdict is not None:
-        accepted, why = False, "stored report fails: " + "; ".join(verdict["failures"])
+        accepted, why = False, "stored report fails: " + "; ".join(failures)
     else:
         accepted, why = False, f"no quality report (run: qwen3-tts eval --reference {model} --candidates {variant})"
-    return {"variant": variant, "accepted": accepted, "why": why, "report": verdict}
+    check = {"variant": variant, "accepted": accepted, "why": why, "report": verdict}
+    if verdict is not None and not Path(str(model)).expanduser().is_dir():
+        from ..variants import resolve
+
+        if resolve(str(model), variant).quantize_with is None:
+            check["note"] = ("the report measured round-to-nearest of the bf16 weights; this rung "
+                             "loads the published repo, made the same way by mlx-audio's converter")  # fmt: skip
+    return check

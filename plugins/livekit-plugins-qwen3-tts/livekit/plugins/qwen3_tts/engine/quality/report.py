@@ -123,6 +123,20 @@ def _markdown(report: dict) -> str:
                   "| --- " * (n + 1) + "|"]  # fmt: skip
         lines += [f"| {_cell(name)} | " + " | ".join(f"{v:.3g}" for v in vals) + " |"
                   for name, vals in heads]  # fmt: skip
+    ablation = report.get("ablation")
+    if ablation:
+        lines += ["", f"## Ablation ({ablation['treatment']})", "",
+                  "Damage = codebook-0 KL + code-predictor KL of the candidate.", "",
+                  "| rank | component | damage, only this | damage, all but this |",
+                  "| --- | --- | --- | --- |"]  # fmt: skip
+        lines += [f"| {i} | {r['component']} | {r['damage_only']:.4g} | {r['damage_all_but']:.4g} |"
+                  for i, r in enumerate(ablation["ranking"], 1)]  # fmt: skip
+        proposal = ablation.get("proposal")
+        if proposal and proposal.get("recipe"):
+            lines += ["", f"Proposed recipe: `{proposal['name']}` (size ratio "
+                      f"{proposal['size_ratio']:.3f}; tried {', '.join(proposal['tried'])})."]  # fmt: skip
+        elif proposal:
+            lines += ["", f"No proposal: {proposal.get('note')}"]
     pairs = [c for c in report.get("candidates", []) if c.get("vs_rtn")]
     if pairs:
         lines += ["", "## GPTQ vs round-to-nearest (same recipe, paired over items)", "",
