@@ -117,6 +117,7 @@ class Governor:
         self.clock = clock
         self.state = PolicyState()
         self.footprints = Footprints()
+        self.started = False  # the ladder is fixed (quality gate checked) and memory read
         self.reading: MemoryReading | None = None
         self.pinned: str | None = None  # an operator's variant: no automatic swaps meanwhile
         self.swapping: SwapRecord | None = None
@@ -137,6 +138,7 @@ class Governor:
         for h in self.engine.all_handlers():
             self.footprints.observe(h.variant, h.info.get("memory", {}))
         self.reading = await self._read()
+        self.started = True
         if self.auto:
             self._task = asyncio.create_task(self._loop(), name="qwen3-tts governor")
         logger.info("governor: ladder %s, memory from %s (pressure %.2f), %s", " > ".join(rungs),

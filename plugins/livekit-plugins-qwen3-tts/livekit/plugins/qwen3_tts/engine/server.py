@@ -370,7 +370,9 @@ class EngineServer:
 
     async def ready(self, request: web.Request) -> web.Response:
         h = self.engine.active
-        body = {"ready": h.state == "ready" and self.engine.serving, "variant": h.variant,
+        # Not ready before the governor has fixed its ladder (the quality gate hashes checkpoints).
+        started = self.governor is None or self.governor.started
+        body = {"ready": h.state == "ready" and self.engine.serving and started, "variant": h.variant,
                 "state": h.state, "queue_depth": h.queue_depth,
                 "swapping": self.governor is not None and self.governor.swapping is not None}  # fmt: skip
         return web.json_response(body, status=200 if body["ready"] else 503)
