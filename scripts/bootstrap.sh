@@ -16,17 +16,8 @@ if command -v dpkg-query >/dev/null; then
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
 fi
-if [ ${#missing[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    log "installing Debian packages: ${missing[*]}"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  else
-    log "ERROR: missing Debian packages: ${missing[*]} (run as root, or: sudo apt-get install ${missing[*]})"
-    exit 1
-  fi
-fi
+source scripts/apt_install.sh
+apt_install "${missing[@]}"
 
 PYTHON="${PYTHON:-python3}"
 "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), sys.version' 2>/dev/null || {

@@ -16,17 +16,8 @@ export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm_config_audit=false npm_config_fund
 missing=()
 command -v chromium >/dev/null 2>&1 || [ -x /usr/bin/chromium ] || missing+=(chromium)
 command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
-if [ ${#missing[@]} -gt 0 ]; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    log "installing Debian packages: ${missing[*]} (a few minutes)"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  else
-    log "ERROR: missing Debian packages: ${missing[*]} (run as root, or: sudo apt-get install ${missing[*]})"
-    exit 1
-  fi
-fi
+source scripts/apt_install.sh
+apt_install "${missing[@]}"
 
 # npm ci for each package folder whose node_modules is missing or older than its lock file.
 for dir in agent/voice_agent/web tests/browser; do
