@@ -333,3 +333,15 @@ def test_run_comparisons():
     assert compare_runs(a, a[:5], False, False) == {"length_ratio": 0.5, "runaway_rate": 0.0, "first_divergence": 5.0}
     assert compare_runs(a, b, True, False)["runaway_rate"] == 1.0  # capped where the reference stopped
     assert compare_runs(a, b, True, True)["runaway_rate"] == 0.0  # both capped: not the candidate's fault
+
+
+def test_voice_design_checkpoints_are_evaluated_with_instructions(tiny_checkpoint):
+    from livekit.plugins.qwen3_tts.engine.synthesis import SynthesisError
+
+    model = tiny_checkpoint("voice_design")
+    settings = EvalSettings(texts=TEXTS[:1], seeds=(0,), max_new_tokens=4, n_boot=100)
+    with pytest.raises(SynthesisError, match="needs `instructions`"):
+        evaluate(model, [Candidate("8bit", recipe=RECIPES["8bit"])], settings)
+    settings.instructions = "A calm, low voice."
+    report = evaluate(model, [Candidate("8bit", recipe=RECIPES["8bit"])], settings)
+    assert report["candidates"][0]["metrics"]["cb0_kl"]["mean"] > 0.0

@@ -68,6 +68,7 @@ def _settings(args):
         _need_audio_metrics()
     settings = EvalSettings(texts=texts, seeds=seeds, max_new_tokens=args.max_new_tokens,
                             voice=args.voice, language=args.language, audio_items=args.audio_items,
+                            instructions=args.instructions,
                             calibration_frames=args.calibration_frames)  # fmt: skip
     if args.budget:
         settings.budget = _load_budget(Path(args.budget))
@@ -300,6 +301,7 @@ def _add_eval_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, help="frame cap per text (default: from the text)")
     p.add_argument("--voice")
     p.add_argument("--language", default="auto")
+    p.add_argument("--instructions", help="voice description (VoiceDesign checkpoints need one)")
     p.add_argument("--audio-items", type=int, default=2,
                    help="items decoded to audio for silence/CER/decoder metrics (default 2)")
     p.add_argument("--calibration-frames", type=int, help="frame cap per GPTQ calibration text")

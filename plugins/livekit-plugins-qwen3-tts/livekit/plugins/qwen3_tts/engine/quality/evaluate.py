@@ -69,6 +69,7 @@ class EvalSettings:
     max_new_tokens: int | None = None  # None: the engine's default cap for each text
     voice: str | None = None  # None: the model's first voice (CustomVoice) or none
     language: str = "auto"
+    instructions: str | None = None  # the voice description a VoiceDesign checkpoint needs
     audio_items: int = 0  # items decoded to audio (the vocoder dominates the cost)
     noise_seed_offset: int = 1000
     calibration_texts: tuple[str, ...] = CALIBRATION_TEXTS
@@ -84,7 +85,7 @@ class EvalSettings:
         if voice is None and model.config.tts_model_type == "custom_voice" and speakers:
             voice = speakers[0]
         return SpeechRequest(input=text, voice=voice, language=self.language, seed=seed,
-                             max_new_tokens=self.max_new_tokens)  # fmt: skip
+                             max_new_tokens=self.max_new_tokens, instructions=self.instructions)  # fmt: skip
 
 
 @dataclass
