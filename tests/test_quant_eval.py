@@ -94,7 +94,8 @@ def test_ablation_ranks_the_corrupted_component_first(tiny_checkpoint, tmp_path,
 
     src = tiny_checkpoint()
     donor = _corrupt(src, tmp_path / "corrupted", component)
-    report = ablate(src, donor=donor, settings=EvalSettings(**{**SMALL, "texts": TEXTS[:2]}), progress=print)
+    settings = EvalSettings(**{**SMALL, "texts": TEXTS[:2], "max_new_tokens": 8})
+    report = ablate(src, donor=donor, settings=settings, progress=print)
     ranking = report["ablation"]["ranking"]
     print([(r["component"], round(r["damage_only"], 5)) for r in ranking])
     assert ranking[0]["component"] == component
@@ -160,7 +161,7 @@ def test_quantize_cli_with_a_yaml_recipe_and_gptq_loads_and_streams(tiny_checkpo
 def test_eval_cli_writes_json_markdown_png_and_stores_verdicts(tiny_checkpoint, tmp_path):
     out = tmp_path / "report"
     r = cli("eval", "--reference", str(tiny_checkpoint()), "--candidates", "8bit,4bit",
-            "--texts", "2", "--seeds", "0", "--max-new-tokens", "8", "--audio-items", "1",
+            "--texts", "2", "--seeds", "0", "--max-new-tokens", "4", "--audio-items", "1",
             "--language", "english", "--out", str(out), "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
