@@ -185,6 +185,7 @@ def test_ablate_cli_proposes_a_recipe_inside_the_budget(tiny_checkpoint, tmp_pat
     budget.write_text(json.dumps({"cp_kl": {"max": 0.004}}))  # 4-bit everywhere breaks it
     out = tmp_path / "ablation"
     r = cli("ablate", "--reference", str(tiny_checkpoint()), "--bits", "4", "--texts", "2",
+            "--components", "code-predictor,codec-head,talker-mlp",
             "--seeds", "0", "--max-new-tokens", "8", "--audio-items", "0", "--language", "english",
             "--budget", str(budget), "--out", str(out), "--json")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
