@@ -7,6 +7,7 @@ made of the source's content digest and the recipe, so the next load is a plain 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -16,7 +17,7 @@ import time
 from pathlib import Path
 
 from ..log import logger
-from .recipes import Recipe, quantization_plan
+from .recipes import ALWAYS_SKIPPED, Recipe, quantization_plan
 from .variants import ModelSource
 
 
@@ -40,9 +41,18 @@ def fetch(source: ModelSource) -> Path:
 
 
 def source_digest(path: Path) -> str:
-    """sha256 over config.json and the root weight files (names and bytes)."""
+    """sha256 over config.json and the root weight files (names and bytes).
+
+    Cached per process while the files keep their modification times (checkpoints are GBs).
+    """
+    files = sorted([path / "config.json", *path.glob("*.safetensors")])
+    return _digest(tuple(str(f.resolve()) for f in files), tuple(f.stat().st_mtime_ns for f in files))
+
+
+@functools.lru_cache(maxsize=16)
+def _digest(files: tuple[str, ...], mtimes: tuple[int, ...]) -> str:
     h = hashlib.sha256()
-    for f in sorted([path / "config.json", *path.glob("*.safetensors")]):
+    for f in map(Path, files):
         h.update(f.name.encode())
         with f.open("rb") as fh:
             while block := fh.read(1 << 22):
@@ -71,6 +81,22 @@ def load_full_precision(src: Path):
     return model
 
 
+def quantizable_modules(model) -> list[tuple[str, int]]:
+    """(path, input width) of every module a recipe could quantize, including modules already
+    quantized (by GPTQ), whose packed weight is bits/32 as wide as their input."""
+    return [
+        (path, m.weight.shape[-1] * 32 // m.bits if hasattr(m, "bits") else m.weight.shape[-1])
+        for path, m in model.named_modules()
+        if (hasattr(m, "to_quantized") or hasattr(m, "bits")) and hasattr(m, "weight")
+        and not any(s in path for s in ALWAYS_SKIPPED)
+    ]  # fmt: skip
+
+
+def recipe_plan(model, recipe: Recipe) -> dict[str, tuple[int, int]]:
+    """Module path -> (bits, group size) that `recipe` gives a model's modules."""
+    return quantization_plan(recipe, quantizable_modules(model), model.config.talker_config.num_hidden_layers)
+
+
 def apply_recipe(model, recipe: Recipe, *, skip: frozenset[str] = frozenset()) -> dict[str, tuple[int, int]]:
     """Quantize `model` in place (round to nearest) as `recipe` says; returns the plan.
 
@@ -78,14 +104,7 @@ def apply_recipe(model, recipe: Recipe, *, skip: frozenset[str] = frozenset()) -
     """
     import mlx.nn as nn
 
-    n_layers = model.config.talker_config.num_hidden_layers
-    # A quantized module's packed weight is bits/32 as wide as its input.
-    modules = [
-        (path, m.weight.shape[-1] * 32 // m.bits if path in skip else m.weight.shape[-1])
-        for path, m in model.named_modules()
-        if (hasattr(m, "to_quantized") and hasattr(m, "weight")) or path in skip
-    ]
-    plan = quantization_plan(recipe, modules, n_layers)
+    plan = recipe_plan(model, recipe)
     # Every quantizable module is in the talker (ALWAYS_SKIPPED); quantizing only that subtree
     # also works on a loaded model, whose tokenizer attributes nn.quantize cannot walk.
     if any(not p.startswith("talker.") for p in plan):

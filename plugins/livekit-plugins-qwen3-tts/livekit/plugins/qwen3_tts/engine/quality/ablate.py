@@ -16,9 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...log import logger
+from ..loading import quantizable_modules
 from ..recipes import recipe_to_dict
-from .candidates import Candidate, load_dir
-from .components import COMPONENTS, all_but, component_paths, only, protect, quantizable_paths
+from .candidates import Candidate
+from .components import COMPONENTS, all_but, component_paths, only, protect
 from .evaluate import EvalSettings, Reference, evaluate
 
 
@@ -27,14 +28,13 @@ def damage(entry: dict) -> float:
     return m["cb0_kl"]["mean"] + m["cp_kl"]["mean"]
 
 
-def _stage1(ref_path: Path, components: list[str], bits: int, group_size: int,
+def _stage1(model, components: list[str], bits: int, group_size: int,
             donor: Path | None) -> list[Candidate]:  # fmt: skip
     if donor is None:
         return [c for comp in components
                 for c in (Candidate(f"only-{comp}", recipe=only(comp, bits, group_size)),
                           Candidate(f"all-but-{comp}", recipe=all_but(comp, bits, group_size)))]  # fmt: skip
-    model = load_dir(ref_path)
-    everything = {p for p, _ in quantizable_paths(model)}
+    everything = {p for p, _ in quantizable_modules(model)}
     out = []
     for comp in components:
         mine = set(component_paths(model, comp))
@@ -62,7 +62,7 @@ def ablate(
     if unknown:
         raise ValueError(f"unknown component(s) {', '.join(unknown)}; components: {', '.join(COMPONENTS)}")
     ref = Reference(reference_path, settings, progress=progress)
-    report = evaluate(reference_path, _stage1(ref.path, components, bits, group_size, donor),
+    report = evaluate(reference_path, _stage1(ref.model, components, bits, group_size, donor),
                       settings, progress=progress, reference=ref)  # fmt: skip
     by_name = {c["name"]: c for c in report["candidates"]}
     ranking = sorted(

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..loading import apply_recipe
+from ..loading import apply_recipe, recipe_plan
 from ..recipes import Recipe, recipe_to_dict
 from .components import component_paths
 
@@ -57,26 +57,12 @@ def load_dir(path: Path):
     return model
 
 
-def _get(model, path: str):
-    obj = model
-    for part in path.split("."):
-        obj = obj[int(part)] if isinstance(obj, list) else obj[part]
-    return obj
-
-
-def set_module(model, path: str, module) -> None:
-    *parents, last = path.split(".")
-    parent = _get(model, ".".join(parents)) if parents else model
-    if isinstance(parent, list):
-        parent[int(last)] = module
-    else:
-        setattr(parent, last, module)
-
-
 def graft(model, donor, paths) -> None:
     """Replace `model`'s modules at `paths` by the donor's (same architecture)."""
+    from .gptq import get_module, set_module
+
     for p in paths:
-        set_module(model, p, _get(donor, p))
+        set_module(model, p, get_module(donor, p))
 
 
 def weight_bytes(model) -> int:
@@ -117,7 +103,7 @@ def build(
 
         if calibrate is None:
             raise ValueError("GPTQ needs calibration data")
-        plan = _plan(model, candidate.recipe)
+        plan = recipe_plan(model, candidate.recipe)
         paths = sorted({p for c in candidate.gptq for p in component_paths(model, c)} & set(plan))
         if not paths:
             raise ValueError(f"recipe {candidate.recipe.name} quantizes no module of {candidate.gptq}")
@@ -129,10 +115,3 @@ def build(
         skip = frozenset(paths)
     details["plan"] = apply_recipe(model, candidate.recipe, skip=skip)
     return model, details
-
-
-def _plan(model, recipe: Recipe) -> dict[str, tuple[int, int]]:
-    from ..recipes import quantization_plan
-    from .components import quantizable_paths
-
-    return quantization_plan(recipe, quantizable_paths(model), model.config.talker_config.num_hidden_layers)

@@ -110,12 +110,11 @@ def _load_budget(path: Path) -> dict:
     return data
 
 
-def _candidates(specs: list[str], gptq: list[str], model=None):
-    """Candidates from names, recipe files and checkpoint dirs; with `model`, GPTQ twins of
-    recipes that leave the GPTQ components in full precision are skipped (nothing to do)."""
-    from ..recipes import RECIPES, load_recipe, quantization_plan
+def _candidates(specs: list[str], gptq: list[str]):
+    """Candidates from names, recipe files and checkpoint dirs (+ a GPTQ twin per recipe)."""
+    from ..recipes import RECIPES, load_recipe
     from .candidates import Candidate
-    from .components import COMPONENTS, component_paths, quantizable_paths
+    from .components import COMPONENTS
 
     bad = [c for c in gptq if c not in COMPONENTS]
     if bad:
@@ -133,18 +132,28 @@ def _candidates(specs: list[str], gptq: list[str], model=None):
             out.append(Candidate(recipe.name, "reference"))
             continue
         out.append(Candidate(recipe.name, recipe=recipe))
-        if gptq and model is not None:
-            n = model.config.talker_config.num_hidden_layers
-            planned = quantization_plan(recipe, quantizable_paths(model), n)
-            if not any(p in planned for c in gptq for p in component_paths(model, c)):
-                _say(f"{recipe.name}: leaves {'+'.join(gptq)} unquantized; no GPTQ twin")
-                continue
         if gptq:
             out.append(Candidate(f"{recipe.name}+gptq({'+'.join(gptq)})", "gptq", recipe=recipe,
                                  gptq=tuple(gptq)))  # fmt: skip
     if not out:
         raise ValueError("no candidates given")
     return out
+
+
+def _without_idle_twins(candidates, model) -> list:
+    """Drop GPTQ twins of recipes that leave their GPTQ components unquantized (nothing to do)."""
+    from ..loading import recipe_plan
+    from .components import component_paths
+
+    kept = []
+    for c in candidates:
+        if c.method == "gptq":
+            planned = recipe_plan(model, c.recipe)
+            if not any(p in planned for comp in c.gptq for p in component_paths(model, comp)):
+                _say(f"{c.recipe.name}: leaves {'+'.join(c.gptq)} unquantized; no GPTQ twin")
+                continue
+        kept.append(c)
+    return kept
 
 
 def _out_dir(args, what: str) -> Path:
@@ -172,10 +181,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     reference = _reference(args.reference)
-    _candidates(_csv(args.candidates), _csv(args.gptq))  # bad specs fail before any work
+    candidates = _candidates(_csv(args.candidates), _csv(args.gptq))  # bad specs fail before any work
     t0 = time.perf_counter()
     ref = Reference(reference, settings, progress=_say)
-    candidates = _candidates(_csv(args.candidates), _csv(args.gptq), ref.model)
+    candidates = _without_idle_twins(candidates, ref.model)
     _say(f"evaluating {len(candidates)} candidate(s) against {reference} on "
          f"{len(settings.texts)} text(s) x {len(settings.seeds)} seed(s)")  # fmt: skip
     report = evaluate(reference, candidates, settings, progress=_say, reference=ref)

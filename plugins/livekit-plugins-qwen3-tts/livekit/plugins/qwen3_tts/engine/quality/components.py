@@ -6,7 +6,7 @@ a set of quantizable Linear paths, so "only this" and "all but this" are plain r
 
 from __future__ import annotations
 
-from ..recipes import ALWAYS_SKIPPED, Recipe, Rule
+from ..recipes import Recipe, Rule
 
 _LAYER = r"^talker\.model\.layers\.\d+\."
 
@@ -52,17 +52,9 @@ def protect(components: list[str], bits: int, group_size: int, keep_bits: int | 
                   f"all at {bits} bits; {', '.join(components) or 'nothing'} at {keep}")  # fmt: skip
 
 
-def quantizable_paths(model) -> list[tuple[str, int]]:
-    """(path, input width) of every module a recipe could quantize."""
-    return [
-        (path, m.weight.shape[-1])
-        for path, m in model.named_modules()
-        if hasattr(m, "to_quantized") and hasattr(m, "weight")
-        and not any(s in path for s in ALWAYS_SKIPPED)
-    ]  # fmt: skip
-
-
 def component_paths(model, component: str) -> list[str]:
+    from ..loading import quantizable_modules
+
     r = rule(component, 8)
     n = model.config.talker_config.num_hidden_layers
-    return sorted(p for p, _ in quantizable_paths(model) if r.matches(p, n))
+    return sorted(p for p, _ in quantizable_modules(model) if r.matches(p, n))

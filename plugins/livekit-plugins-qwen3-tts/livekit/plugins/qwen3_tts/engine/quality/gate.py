@@ -9,7 +9,6 @@ with the operator's consent (`--allow-unevaluated`).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from pathlib import Path
@@ -22,17 +21,11 @@ def reports_root() -> Path:
     return cache_root() / "reports"
 
 
-@functools.lru_cache(maxsize=16)
-def _dir_key(path: str, mtime_ns: int) -> str:
-    return source_digest(Path(path))[:16]
-
-
 def model_key(model: str | Path) -> str:
     """What identifies the reference: a local checkpoint's content digest, or a hub id's hash."""
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
-        newest = max(f.stat().st_mtime_ns for f in [path / "config.json", *path.glob("*.safetensors")])
-        return _dir_key(str(path.resolve()), newest)
+        return source_digest(path)[:16]
     from ..variants import resolve_model
 
     try:

@@ -51,12 +51,12 @@ def _locate(model: nn.Module, path: str) -> tuple[dict | list, str | int]:
     return obj, int(name) if isinstance(obj, list) else name
 
 
-def _get(model: nn.Module, path: str) -> nn.Module:
+def get_module(model: nn.Module, path: str) -> nn.Module:
     parent, key = _locate(model, path)
     return parent[key]
 
 
-def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+def set_module(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, key = _locate(model, path)
     parent[key] = module  # an nn.Module is a dict of its children
 
@@ -65,18 +65,18 @@ def attach_recorders(model: nn.Module, paths: list[str]) -> dict[str, HessianRec
     """Replace each nn.Linear at a module path (as in `model.named_modules()`) by a recorder."""
     recorders = {}
     for path in paths:
-        linear = _get(model, path)
+        linear = get_module(model, path)
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"{path} is a {type(linear).__name__}, not an nn.Linear")
         recorders[path] = HessianRecorder(linear)
-        _set(model, path, recorders[path])
+        set_module(model, path, recorders[path])
     return recorders
 
 
 def detach_recorders(model: nn.Module, recorders: dict[str, HessianRecorder]) -> None:
     """Put the original Linears back."""
     for path, recorder in recorders.items():
-        _set(model, path, recorder.linear)
+        set_module(model, path, recorder.linear)
 
 
 def _check(shape: tuple[int, ...], bits: int, group_size: int) -> None:
@@ -192,7 +192,7 @@ def quantize_linear_gptq(
     Returns {"path", "bits", "group_size", "rtn_error", "gptq_error"}: the Hessian-weighted
     relative output errors of plain RTN and of GPTQ on the same grid settings.
     """
-    linear = _get(model, path)
+    linear = get_module(model, path)
     if not isinstance(linear, nn.Linear):
         raise ValueError(f"{path} is a {type(linear).__name__}, not an nn.Linear")
     w = np.array(linear.weight.astype(mx.float32), dtype=np.float64)
@@ -205,7 +205,7 @@ def quantize_linear_gptq(
     ql.weight, ql.scales, ql.biases = w_q, scales, biases
     if "bias" in linear:
         ql.bias = linear.bias
-    _set(model, path, ql)
+    set_module(model, path, ql)
     return {
         "path": path,
         "bits": bits,
