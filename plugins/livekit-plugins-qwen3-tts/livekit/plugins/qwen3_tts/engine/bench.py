@@ -120,21 +120,15 @@ async def _server_numbers(model: str, repeats: int) -> dict:
 def real_size_weight_bytes(recipe_name: str) -> dict:
     """Weight memory of the real Qwen3-TTS 0.6B architecture (random weights, bf16 base)."""
     import mlx.core as mx
-    import mlx.nn as nn
     from mlx.utils import tree_flatten
     from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
 
-    from .recipes import get_recipe, quantization_plan
+    from .loading import apply_recipe
+    from .recipes import get_recipe
 
-    config = ModelConfig.from_dict({"tts_model_type": "custom_voice", "tts_model_size": "0b6"})
-    model = Model(config)
+    model = Model(ModelConfig.from_dict({"tts_model_type": "custom_voice", "tts_model_size": "0b6"}))
     model.set_dtype(mx.bfloat16)
-    modules = [(p, m.weight.shape[-1]) for p, m in model.named_modules()
-               if hasattr(m, "to_quantized") and hasattr(m, "weight")]  # fmt: skip
-    plan = quantization_plan(get_recipe(recipe_name), modules, config.talker_config.num_hidden_layers)
-    if plan:
-        nn.quantize(model, class_predicate=lambda p, m: (
-            {"bits": plan[p][0], "group_size": plan[p][1]} if p in plan else False))  # fmt: skip
+    plan = apply_recipe(model, get_recipe(recipe_name))
     params = dict(tree_flatten(model.parameters()))
     mx.eval(params)
     return {"weight_bytes": sum(v.nbytes for v in params.values()),
