@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import math
 import os
 import signal
 import time
@@ -14,7 +15,12 @@ import pytest
 
 from livekit.plugins.qwen3_tts.engine.handler import Handler
 from livekit.plugins.qwen3_tts.engine.server import Engine, EngineServer, ServerConfig
-from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES, HEADER_VARIANT
+from livekit.plugins.qwen3_tts.protocol import (
+    FRAME_SAMPLES,
+    HEADER_VARIANT,
+    Limits,
+    parse_speech_request,
+)
 
 pytestmark = pytest.mark.slow
 API_KEY = "test-key-123"
@@ -82,20 +88,45 @@ async def test_whole_wav_response(client):
 
 async def test_disconnect_mid_stream_frees_the_handler_within_one_chunk(server, client):
     handler = server.engine.active
+    received = 0
     async with client.stream("POST", "/v1/audio/speech",
                              json=body(stream=True, response_format="pcm", max_new_tokens=400)) as r:  # fmt: skip
-        async for _ in r.aiter_raw():
-            break  # first chunk arrived: hang up
-    t_close = time.perf_counter()
-    while handler.in_flight and time.perf_counter() - t_close < 30:
+        async for data in r.aiter_raw():
+            received += len(data)
+            break  # first audio arrived: hang up
+    t_close = time.monotonic()
+    while handler.in_flight and time.monotonic() - t_close < 60:
         await asyncio.sleep(0.01)
     assert handler.in_flight == 0
     stats = handler.last_stats
     assert stats["cancelled"]
-    assert stats["frames"] < 400
+    # Flow control: the worker made at most the chunk it was working on when the client left.
+    assert stats["frames"] <= math.ceil(received / (FRAME_SAMPLES * 2)) + 4, (received, stats)
     # The next request is served normally.
     r = await client.post("/v1/audio/speech", json=body(max_new_tokens=4, response_format="pcm"))
     assert r.status_code == 200 and len(r.content) == 4 * FRAME_SAMPLES * 2
+
+
+async def test_a_paused_consumer_pauses_synthesis(server):
+    """Flow control: while the consumer holds the first chunk, the worker makes nothing more.
+
+    A memory query is answered by the worker between two frames, or at once while it waits
+    for the consumer; after its answer, closing the stream leaves exactly the 4 frames taken
+    (a worker that synthesized ahead would be on frame 5 or later by then)."""
+    handler = server.engine.active
+    req = parse_speech_request(body(stream=True, response_format="pcm", max_new_tokens=400), Limits())
+    chunks = server.engine.stream(req)
+    first = await anext(chunks)
+    assert first.frames == 4
+    handler._conn.send(("memory",))
+    for _ in range(6000):
+        if handler._inbox.qsize():
+            break
+        await asyncio.sleep(0.01)
+    assert handler._inbox.qsize()
+    await chunks.aclose()
+    assert handler.in_flight == 0
+    assert handler.last_stats["cancelled"] and handler.last_stats["frames"] == 4, handler.last_stats
 
 
 async def test_killed_worker_gives_an_error_then_recovers(server, client):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import multiprocessing as mp
 import threading
@@ -253,8 +254,11 @@ class Handler:
                 await asyncio.wait_for(self._ready.wait(), self.load_timeout)
                 result.queue_wait_s = time.perf_counter() - t0
                 result.variant = self.variant
-                async for chunk in self._run(req, ref_audio, result, t0):
-                    yield chunk
+                # aclosing: an abandoned stream cancels the worker's synthesis and waits for its
+                # acknowledgement before the lock passes on (not later, when it is collected).
+                async with contextlib.aclosing(self._run(req, ref_audio, result, t0)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
             finally:
                 self.in_flight -= 1
                 self._lock.release()
@@ -312,6 +316,10 @@ class Handler:
                         result.first_audio_s = time.perf_counter() - t0
                     yield AudioChunk(msg[2], msg[3], msg[4], index)
                     index += 1
+                    try:  # the consumer wants the next one: the worker may go on (flow control)
+                        self._conn.send(("taken", req_id, index))
+                    except OSError:
+                        pass  # the worker died; its "died" message is next
                 elif kind == "done":
                     finished = True
                     result.stats = self.last_stats = msg[2]

@@ -201,7 +201,7 @@ def stream_chunks(
         chunk = Chunk(audio, len(pending), time.perf_counter() - started,
                       np.array(codes[0]) if keep_codes or not decode else None)  # fmt: skip
         stats.chunk_frames.append(len(pending))
-        pending, target, started = [], CHUNK_FRAMES, time.perf_counter()
+        pending, target = [], CHUNK_FRAMES
         return chunk
 
     for sentence in split_sentences(req.input):
@@ -212,6 +212,7 @@ def stream_chunks(
             stats.frames += 1
             if len(pending) == target:
                 yield flush()
+                started = time.perf_counter()  # the consumer's time is not this chunk's compute
         if stats.cancelled:
             return
     if pending:

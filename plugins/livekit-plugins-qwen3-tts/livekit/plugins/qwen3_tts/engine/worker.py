@@ -3,9 +3,12 @@
 mlx on a non-main thread fails or aborts at exit (NOTES.md), so each handler owns a spawned
 process. Messages on the pipe (tuples):
   parent -> worker: ("synth", id, request_dict, ref_audio_bytes | None), ("cancel", id),
-                    ("memory",), ("stop",)
+                    ("taken", id, n_chunks), ("memory",), ("stop",)
   worker -> parent: ("ready", info), ("failed", message), ("chunk", id, pcm_s16le, frames,
                     compute_s), ("done", id, stats), ("error", id, kind, message), ("memory", dict)
+Flow control: the worker starts a chunk only when its consumer has taken all but
+CHUNKS_AHEAD of the chunks sent before ("taken" counts them). A consumer that pauses pauses the
+synthesis, and one that goes away leaves at most the chunk in progress behind.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import numpy as np
 from ..protocol import SpeechRequest
 
 WARMUP_TEXT = "Hello, this is a warm-up."
+# Chunks the worker may make before the consumer has taken them. One keeps the model busy as long
+# as the consumer keeps up (it asks for the next chunk while this one is made).
+CHUNKS_AHEAD = 1
 
 
 def _pcm16(audio: np.ndarray) -> bytes:
@@ -51,23 +57,39 @@ def _load_ref_audio(data: bytes):
 
 
 class _Pipe:
-    """Receives messages while a synthesis runs: cancels for it, and holds a stop for later."""
+    """Receives messages while a synthesis runs: cancels and taken-counts for it, memory
+    queries, and a stop held for later."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.stop_requested = False
+        self.taken: dict[str, int] = {}
+
+    def _handle(self, msg: tuple, req_id: str) -> bool:
+        """Act on one message; True when it cancels `req_id`."""
+        if msg[0] == "cancel":
+            return msg[1] == req_id
+        if msg[0] == "taken":
+            self.taken[msg[1]] = max(self.taken.get(msg[1], 0), msg[2])
+        elif msg[0] == "stop":
+            self.stop_requested = True
+        elif msg[0] == "memory":
+            self.conn.send(("memory", _memory()))
+        return False
 
     def cancelled(self, req_id: str) -> bool:
         hit = False
         while self.conn.poll():
-            msg = self.conn.recv()
-            if msg[0] == "cancel" and msg[1] == req_id:
-                hit = True
-            elif msg[0] == "stop":
-                self.stop_requested = True
-            elif msg[0] == "memory":
-                self.conn.send(("memory", _memory()))
+            hit = self._handle(self.conn.recv(), req_id) or hit
         return hit
+
+    def wait_taken(self, req_id: str, n: int) -> bool:
+        """Block until the consumer has taken `n` chunks of `req_id`; False when it cancelled
+        the request instead, or the worker is asked to stop."""
+        while self.taken.get(req_id, 0) < n:
+            if self.stop_requested or self._handle(self.conn.recv(), req_id):
+                return False
+        return True
 
 
 def _synthesize(model, conn: Connection, pipe: _Pipe, req_id: str, body: dict, ref: bytes | None):
@@ -83,14 +105,15 @@ def _synthesize(model, conn: Connection, pipe: _Pipe, req_id: str, body: dict, r
         return cancelled
 
     t0 = time.perf_counter()
+    pipe.taken.clear()
     try:
         ref_audio = _load_ref_audio(ref) if ref else None
-        for chunk in stream_chunks(
+        for sent, chunk in enumerate(stream_chunks(
             model, SpeechRequest(**body), ref_audio=ref_audio, should_stop=should_stop, stats=stats
-        ):
+        ), start=1):  # fmt: skip
             conn.send(("chunk", req_id, _pcm16(chunk.audio), chunk.frames, chunk.compute_s))
             compute.append(round(chunk.compute_s, 4))
-            if should_stop():
+            if should_stop() or not pipe.wait_taken(req_id, sent + 1 - CHUNKS_AHEAD):
                 stats.cancelled = True
                 break
     except SynthesisError as e:
