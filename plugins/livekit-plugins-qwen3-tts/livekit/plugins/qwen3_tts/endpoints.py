@@ -34,6 +34,8 @@ class EndpointPool:
         self._client = client
         self.probe_interval = probe_interval
         self._prober: asyncio.Task | None = None
+        self._tasks: set[asyncio.Task] = set()  # probes started in the background
+        self._closed = False
 
     def __len__(self) -> int:
         return len(self.endpoints)
@@ -60,8 +62,19 @@ class EndpointPool:
         ep.down_since = ep.down_since or time.monotonic()
         ep.last_error = reason
         ep.failures += 1
-        if self._prober is None or self._prober.done():
-            self._prober = asyncio.create_task(self._probe_loop(), name="qwen3-tts-endpoint-probe")
+        if not self._closed and (self._prober is None or self._prober.done()):
+            self._prober = self._spawn(self._probe_loop())
+
+    def prewarm(self) -> None:
+        """Probe every endpoint in the background (a stalled one answers within the probe's 2 s)."""
+        if not self._closed:
+            self._spawn(self.probe_all())
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro, name="qwen3-tts-endpoint-probe")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def probe(self, ep: Endpoint) -> bool:
         try:
@@ -88,9 +101,9 @@ class EndpointPool:
             await asyncio.gather(*(self.probe(e) for e in self.endpoints if not e.healthy))
 
     async def aclose(self) -> None:
-        if self._prober is not None:
-            self._prober.cancel()
-            try:
-                await self._prober
-            except (asyncio.CancelledError, Exception):
-                pass
+        """Stop probing: no probe task is left pending, and none is started afterwards."""
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

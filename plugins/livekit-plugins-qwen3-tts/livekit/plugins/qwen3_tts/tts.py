@@ -7,6 +7,7 @@ previous one still plays, so the prefill of sentence N+1 hides behind the audio 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import time
@@ -30,7 +31,7 @@ from .log import logger
 from .protocol import HEADER_VARIANT, SAMPLE_RATE, normalize_language
 
 DEFAULT_URL = "http://127.0.0.1:8880"
-# Local prefill of a long sentence can take seconds; connecting should not.
+# The owned HTTP client's default; each synthesis attempt is bounded by `conn_options.timeout`.
 DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 Protocol = Literal["qwen3-tts", "vllm-omni"]
 _TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
@@ -84,6 +85,7 @@ class SentenceReport:
     variant: str | None = None
     first_audio_s: float | None = None
     skipped_bytes: int = 0  # audio re-synthesized after a failover but not played again
+    seed: int | None = None  # sent with every attempt, so that a failover repeats the same audio
 
     @property
     def samples(self) -> int:
@@ -124,6 +126,9 @@ class TTS(tts.TTS):
         http://127.0.0.1:8880); they are used in order, failing over when one dies. Use
         `protocol="vllm-omni"` for a vLLM-Omni server (only its own fields are sent).
         `prefetch` is how many sentences may be requested ahead of the one playing.
+        Each attempt on an endpoint gets `conn_options.timeout` (LiveKit's per-request option) to
+        connect and between received bytes; a stalled endpoint is failed over and marked down.
+        `timeout` is only the default of the HTTP client made here.
         """
         super().__init__(
             capabilities=tts.TTSCapabilities(streaming=True),
@@ -187,7 +192,7 @@ class TTS(tts.TTS):
         return SynthesizeStream(tts=self, conn_options=conn_options)
 
     def prewarm(self) -> None:
-        asyncio.ensure_future(self._pool.probe_all())
+        self._pool.prewarm()
 
     async def aclose(self) -> None:
         await self._pool.aclose()
@@ -196,13 +201,20 @@ class TTS(tts.TTS):
 
     # -- one sentence, with failover ---------------------------------------------------------
 
-    async def _speak(self, opts: _TTSOptions, report: SentenceReport, deliver, on_sent) -> None:
+    async def _speak(
+        self, opts: _TTSOptions, report: SentenceReport, deliver, on_sent,
+        conn: APIConnectOptions, ahead: asyncio.Future | None = None,
+    ) -> None:  # fmt: skip
         """Stream one sentence's PCM into `deliver`, failing over between endpoints.
 
         After a failover the sentence is requested again from the next endpoint, with the same
         seed, and the bytes already delivered are skipped: nothing is played twice, nothing lost.
+        `conn.timeout` bounds each attempt's connect and every wait for bytes; for a sentence
+        requested ahead, the wait for its first byte counts from when `ahead` (the sentence
+        queued before it) is done, since an engine synthesizes its requests one after another.
         """
         seed = opts.seed if opts.seed is not None else random.randrange(2**31)
+        report.seed = seed
         body = opts.request_body(report.text, seed)
         tried: set[str] = set()
         t0 = time.perf_counter()
@@ -211,45 +223,90 @@ class TTS(tts.TTS):
             tried.add(ep.url)
             report.endpoints.append(ep.url)
             try:
-                await self._speak_once(ep, body, report, deliver, on_sent, t0)
+                await self._speak_once(ep, body, report, deliver, on_sent, t0, conn, ahead)
                 return
-            except (httpx.TransportError, _EndpointUnavailable) as e:
+            except (httpx.TransportError, _EndpointUnavailable, _Stalled) as e:
                 self._pool.mark_down(ep, f"{type(e).__name__}: {e}")
                 if len(tried) >= len(self._pool):
-                    if isinstance(e, httpx.TimeoutException):
-                        raise APITimeoutError(f"Qwen3-TTS timed out at {ep.url}") from e
-                    raise APIConnectionError(f"every Qwen3-TTS endpoint failed; last: {ep.url}: {e}") from e
-                logger.warning("TTS failover from %s after %d samples of %r", ep.url,
-                               report.samples, report.text[:40])  # fmt: skip
+                    if isinstance(e, (httpx.TimeoutException, _Stalled)):
+                        raise APITimeoutError(f"Qwen3-TTS timed out at {ep.url}: {e}") from e
+                    msg = f"every Qwen3-TTS endpoint failed; last: {ep.url}: {e}"
+                    if isinstance(e, _EndpointUnavailable):
+                        raise APIStatusError(msg, status_code=e.status, body=e.body) from e
+                    raise APIConnectionError(msg) from e
+                logger.warning("TTS failover from %s after %d samples of %r: %s", ep.url,
+                               report.samples, report.text[:40], e)  # fmt: skip
 
-    async def _speak_once(self, ep: Endpoint, body, report: SentenceReport, deliver, on_sent, t0) -> None:
+    async def _speak_once(
+        self, ep: Endpoint, body, report: SentenceReport, deliver, on_sent, t0,
+        conn: APIConnectOptions, ahead: asyncio.Future | None,
+    ) -> None:  # fmt: skip
         ep.requests += 1
         on_sent()  # the text goes to the model now: LiveKit's TTFB starts here
-        async with self._client.stream("POST", f"{ep.url}/v1/audio/speech", json=body,
-                                       headers=self._headers, timeout=self._timeout) as r:  # fmt: skip
-            if r.status_code in (502, 503, 504):
+        # Reads are timed here (not by httpx) so that a queued sentence's wait can be excused.
+        timeout = httpx.Timeout(conn.timeout, read=None)
+        request = self._client.build_request("POST", f"{ep.url}/v1/audio/speech", json=body,
+                                             headers=self._headers, timeout=timeout)  # fmt: skip
+        r = await self._open(request, conn.timeout, ahead)
+        try:
+            if r.status_code >= 500:  # this engine is broken or busy; another may not be
                 await r.aread()
-                raise _EndpointUnavailable(f"HTTP {r.status_code}: {r.text[:200]}")
+                raise _EndpointUnavailable(r.status_code, r.text)
             if r.status_code != 200:
                 await r.aread()
                 raise APIStatusError(_error_message(r), status_code=r.status_code,
                                      request_id=r.headers.get("x-request-id"), body=r.text)  # fmt: skip
             report.variant = r.headers.get(HEADER_VARIANT)
             received = 0
-            async for data in r.aiter_raw():
-                # Bytes up to report.delivered_bytes were played from an endpoint that died.
-                skip = min(len(data), max(0, report.delivered_bytes - received))
-                received += len(data)
-                report.skipped_bytes += skip
-                if skip < len(data):
-                    if report.first_audio_s is None:
-                        report.first_audio_s = time.perf_counter() - t0
-                    deliver(data[skip:])
-                    report.delivered_bytes += len(data) - skip
+            async with contextlib.aclosing(r.aiter_raw()) as chunks:
+                while True:
+                    try:
+                        async with asyncio.timeout(conn.timeout):
+                            data = await anext(chunks, None)
+                    except TimeoutError:
+                        stall = f"no audio for {conn.timeout:g} s after {received} bytes"
+                        raise _Stalled(stall) from None
+                    if data is None:
+                        break
+                    # Bytes up to report.delivered_bytes were played from an endpoint that died.
+                    skip = min(len(data), max(0, report.delivered_bytes - received))
+                    received += len(data)
+                    report.skipped_bytes += skip
+                    if skip < len(data):
+                        if report.first_audio_s is None:
+                            report.first_audio_s = time.perf_counter() - t0
+                        deliver(data[skip:])
+                        report.delivered_bytes += len(data) - skip
+        finally:
+            await r.aclose()
+
+    async def _open(
+        self, request: httpx.Request, timeout: float, ahead: asyncio.Future | None
+    ) -> httpx.Response:
+        """Send `request`; wait for the response head `timeout` s, counted once `ahead` is done."""
+        send = asyncio.ensure_future(self._client.send(request, stream=True))
+        try:
+            if ahead is not None:
+                await asyncio.wait({send, ahead}, return_when=asyncio.FIRST_COMPLETED)
+            return await asyncio.wait_for(send, timeout)
+        except TimeoutError:
+            raise _Stalled(f"no response for {timeout:g} s") from None
+        except BaseException:
+            send.cancel()
+            await asyncio.wait({send})
+            if not send.cancelled() and send.exception() is None:
+                await send.result().aclose()
+            raise
 
 
 class _EndpointUnavailable(Exception):
-    pass
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:200]}")
+        self.status, self.body = status, body
+
+
+class _Stalled(Exception):
+    """The endpoint accepted the request but sent nothing for `conn_options.timeout`."""
 
 
 def _error_message(r: httpx.Response) -> str:
@@ -272,7 +329,8 @@ class ChunkedStream(tts.ChunkedStream):
         output_emitter.initialize(request_id=utils.shortuuid(), sample_rate=SAMPLE_RATE,
                                   num_channels=1, mime_type="audio/pcm")  # fmt: skip
         self.report = SentenceReport(self.input_text)
-        await self._tts._speak(self._opts, self.report, output_emitter.push, lambda: None)
+        await self._tts._speak(self._opts, self.report, output_emitter.push, lambda: None,
+                               self._conn_options)  # fmt: skip
 
 
 class SynthesizeStream(tts.SynthesizeStream):
@@ -330,7 +388,8 @@ class SynthesizeStream(tts.SynthesizeStream):
                 report = SentenceReport(text)
                 self.sentences.append(report)
                 audio: asyncio.Queue[bytes | None] = asyncio.Queue()
-                task = asyncio.create_task(self._fetch(report, audio))
+                ahead = started[-1] if started else None
+                task = asyncio.create_task(self._fetch(report, audio, ahead))
                 started.append(task)
                 order.put_nowait((report, audio, task))
             order.put_nowait(None)
@@ -347,8 +406,11 @@ class SynthesizeStream(tts.SynthesizeStream):
         finally:
             await utils.aio.cancel_and_wait(launcher, *started)
 
-    async def _fetch(self, report: SentenceReport, audio: asyncio.Queue) -> None:
+    async def _fetch(
+        self, report: SentenceReport, audio: asyncio.Queue, ahead: asyncio.Task | None
+    ) -> None:
         try:
-            await self._tts._speak(self._opts, report, audio.put_nowait, self._mark_started)
+            await self._tts._speak(self._opts, report, audio.put_nowait, self._mark_started,
+                                   self._conn_options, ahead)  # fmt: skip
         finally:
             audio.put_nowait(None)
