@@ -7,6 +7,7 @@ validates a request body into a `SpeechRequest` (pure, no I/O) and names the aud
 from __future__ import annotations
 
 import math
+import unicodedata
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -112,6 +113,12 @@ def _opt(body: dict, key: str, kinds: tuple[type, ...], what: str) -> Any:
     return value
 
 
+def has_speakable_text(text: str) -> bool:
+    """True when `text` holds a character that is not a control, format (zero-width, BOM),
+    separator or space character: input of only those makes no speech, only noise."""
+    return any(unicodedata.category(c)[0] not in "CZ" for c in text)
+
+
 def _text(body: dict, key: str, max_len: int) -> str | None:
     value = _opt(body, key, (str,), "a string")
     if value is not None and len(value) > max_len:
@@ -133,6 +140,9 @@ def parse_speech_request(body: Any, limits: Limits | None = None) -> SpeechReque
     text = _opt(body, "input", (str,), "a string")
     if text is None or not text.strip():
         raise RequestError("input must be a non-empty string", param="input")
+    if not has_speakable_text(text):
+        raise RequestError("input has no speakable text (only control or zero-width characters)",
+                           param="input")  # fmt: skip
     if len(text) > limits.max_input_chars:
         raise RequestError(
             f"input is longer than {limits.max_input_chars} characters; split it", param="input"

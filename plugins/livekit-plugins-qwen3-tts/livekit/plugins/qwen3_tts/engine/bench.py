@@ -9,6 +9,7 @@ weight memory of the real 0.6B architecture (random weights) per variant.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import statistics
@@ -69,7 +70,8 @@ def _direct_first_audio(model: str, repeats: int, queue) -> None:
     import mlx.core as mx
     from mlx_audio.tts.utils import load_model
 
-    m = load_model(Path(model))
+    with contextlib.redirect_stdout(sys.stderr):  # mlx-audio prints while loading: keep stdout JSON
+        m = load_model(Path(model))
     voice = sorted(m.config.talker_config.spk_id or {})[0]
     out = []
     for i in range(repeats + 1):  # the first run warms up, as the handler's warm-up does

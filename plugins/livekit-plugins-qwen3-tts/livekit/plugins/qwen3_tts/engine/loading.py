@@ -43,14 +43,18 @@ def fetch(source: ModelSource) -> Path:
 def source_digest(path: Path) -> str:
     """sha256 over config.json and the root weight files (names and bytes).
 
-    Cached per process while the files keep their modification times (checkpoints are GBs).
+    Cached per process while the files stay the same files (checkpoints are GBs): the key has
+    the change time and inode besides the modification time, because copies that keep
+    timestamps (`cp -p`, `rsync -t`) can put other weights behind the same mtime.
     """
     files = sorted([path / "config.json", *path.glob("*.safetensors")])
-    return _digest(tuple(str(f.resolve()) for f in files), tuple(f.stat().st_mtime_ns for f in files))
+    stats = [f.stat() for f in files]
+    return _digest(tuple(str(f.resolve()) for f in files),
+                   tuple((s.st_mtime_ns, s.st_ctime_ns, s.st_ino, s.st_size) for s in stats))  # fmt: skip
 
 
 @functools.lru_cache(maxsize=16)
-def _digest(files: tuple[str, ...], mtimes: tuple[int, ...]) -> str:
+def _digest(files: tuple[str, ...], stamps: tuple[tuple[int, ...], ...]) -> str:
     h = hashlib.sha256()
     for f in map(Path, files):
         h.update(f.name.encode())

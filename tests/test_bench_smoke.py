@@ -1,0 +1,142 @@
+"""Smoke runs of the three benchmark commands as a user runs them (real subprocesses, tiny
+checkpoints, offline assets), with their smallest settings: the JSON has the fields the README
+documents and the measured numbers are positive. Speed numbers are not checked.
+
+`qwen3-tts bench` sends a fixed 8 frames per request and 1 + 1 + 2 + 4 HTTP requests whatever
+`--repeats` is; `qwen3-tts bench swap` has no size flags (5 plain loads, 4 swaps, a 16-frame
+stream): these two take minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+BIN = Path(sys.executable).parent
+
+
+def _run(exe: str, *args: str, env: dict | None = None, timeout: float = 840) -> dict:
+    p = subprocess.run([str(BIN / exe), *args], capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, **(env or {})})  # fmt: skip
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    return json.loads(p.stdout)  # stdout is the JSON report alone
+
+
+def _positive(value, what: str) -> None:
+    assert isinstance(value, int | float) and not isinstance(value, bool), (what, value)
+    assert math.isfinite(value) and value > 0, (what, value)
+
+
+def _summary(s: dict, what: str, n: int | None = None) -> None:
+    _positive(s["p50"], f"{what}.p50")
+    _positive(s["p95"], f"{what}.p95")
+    assert s["p95"] >= s["p50"], what
+    if n is not None:
+        assert s["n"] == n, (what, s["n"])
+
+
+def test_qwen3_tts_bench(tiny_checkpoint, tmp_path):
+    model = str(tiny_checkpoint("custom_voice"))
+    out = tmp_path / "bench.json"
+    report = _run("qwen3-tts", "bench", "--model", model, "--variants", "bf16", "--repeats", "1",
+                  "--out", str(out))  # fmt: skip
+    assert json.loads(out.read_text()) == report
+    assert report["model"] == model and report["tiny_checkpoint"] is False
+    # per variant: load time, worker RSS, first audio, per-chunk compute, real-time factor
+    (v,) = report["variants"]
+    assert v["variant"] == "bf16" and v["quantized_modules"] == 0
+    for key in ("load_s", "start_s", "worker_rss_bytes", "mlx_active_bytes"):
+        _positive(v[key], key)
+    _summary(v["first_audio_s"], "first_audio_s", n=1)
+    _summary(v["chunk_compute_s"], "chunk_compute_s", n=report["frames_per_request"] // 4)
+    _summary(v["rtf"], "rtf", n=1)
+    # overhead ratio: first audio over HTTP / mlx-audio's own generate()
+    _summary(report["direct_first_audio_s"], "direct_first_audio_s", n=1)
+    _summary(report["http_first_audio_s"], "http_first_audio_s", n=1)
+    _positive(report["overhead_ratio"], "overhead_ratio")
+    assert report["overhead_ratio"] == pytest.approx(
+        report["http_first_audio_s"]["p50"] / report["direct_first_audio_s"]["p50"])
+    # p50/p95 first audio with 1, 2 and 4 clients
+    conc = report["concurrency_first_audio_s"]
+    assert set(conc) == {"1", "2", "4"}
+    for clients, s in conc.items():
+        _summary(s, f"concurrency {clients}", n=int(clients))
+
+
+def test_qwen3_tts_bench_swap(tiny_checkpoint, tmp_path):
+    model = str(tiny_checkpoint("custom_voice"))
+    out = tmp_path / "swap.json"
+    report = _run("qwen3-tts", "bench", "swap", "--model", model, "--out", str(out))
+    assert json.loads(out.read_text()) == report
+    assert set(report["plain_load_s"]) == {"bf16", "8bit"}
+    for variant, s in report["plain_load_s"].items():
+        _positive(s, f"plain_load_s {variant}")
+    assert set(report["modes"]) == {"make-before-break", "break-before-make"}
+    for mode, m in report["modes"].items():
+        _positive(m["baseline_first_audio_s"], f"{mode} baseline")
+        for case in ("under_load", "idle"):
+            c = m[case]
+            # swap latency (decision -> new variant serving) against the plain load time
+            for key in ("latency_s", "load_in_swap_s", "plain_load_s", "stop_s"):
+                _positive(c[key], f"{mode} {case} {key}")
+            assert c["drain_s"] >= 0
+            for key in ("latency_minus_drain_minus_plain_load_s", "machinery_overhead_s"):
+                assert math.isfinite(c[key]), (mode, case, key)  # differences: either sign
+            # worker memory before, at the peak and after
+            mem = c["memory_mb"]
+            for key in ("active_worker_before", "active_worker_after", "workers_before",
+                        "workers_peak", "workers_after"):  # fmt: skip
+                _positive(mem[key], f"{mode} {case} memory {key}")
+            assert mem["workers_peak"] >= mem["workers_before"]
+        assert (m["under_load"]["from"], m["under_load"]["to"]) == ("bf16", "8bit")
+        assert (m["idle"]["from"], m["idle"]["to"]) == ("8bit", "bf16")
+        # the in-flight stream's chunks and the request that arrived mid-swap
+        flight, mid = m["under_load"]["in_flight_stream"], m["under_load"]["mid_swap_request"]
+        assert flight["bytes"] == report["long_frames"] * 1920 * 2
+        assert mid["bytes"] == report["short_frames"] * 1920 * 2
+        for r in (flight, mid):
+            assert r["complete"] and r["lost_chunks"] == 0 and r["error"] is None
+            _positive(r["first_audio_s"], f"{mode} first audio")
+        _positive(flight["max_chunk_gap_s"], f"{mode} max chunk gap")
+        assert math.isfinite(mid["extra_wait_s"])
+    assert report["lost_chunks"] == 0 and report["truncated_or_failed_requests"] == 0
+    goal = report["goal"]
+    assert set(goal) == {"latency_within_plain_load_plus_100ms", "machinery_overhead_under_100ms",
+                         "zero_lost_or_truncated_chunks"}  # fmt: skip
+    assert goal["zero_lost_or_truncated_chunks"] is True
+
+
+def test_voice_agent_bench(tmp_path):
+    # offline: the bundled tiny.en STT, a generated tiny LLM (mlx_lm.server), the default tiny
+    # TTS checkpoint in this session's QWEN3_TTS_CACHE; 4 frames per sentence, short replies
+    report = _run("voice-agent", "bench", "--turns", "2", "--tts-requests", "1", "--offline",
+                  "--tts-max-new-tokens", "4", "--llm-max-tokens", "4", "--out", str(tmp_path / "va.json"),
+                  env={"VOICE_AGENT_CACHE": str(tmp_path / "va"), "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert json.loads((tmp_path / "va.json").read_text()) == report
+    assert any("RANDOM" in n for n in report["notes"])
+    # per turn: voice-to-voice latency and its parts; what the glue adds
+    assert 1 <= len(report["turns"]) <= 2, report["turns"]
+    for turn in report["turns"]:
+        for key in ("voice_to_voice_s", "stt_s", "llm_ttft_s", "tts_first_chunk_compute_s"):
+            _positive(turn[key], key)
+        parts = (report["vad_silence_window_s"] + turn["stt_s"] + turn["llm_ttft_s"]
+                 + turn["tts_first_chunk_compute_s"])  # fmt: skip
+        assert turn["added_s"] == pytest.approx(turn["voice_to_voice_s"] - parts)
+    added = report["added_latency_s"]
+    assert added["n"] == len(report["turns"]) and added["p95"] >= added["p50"]
+    assert report["vad_silence_window_s"] == 0.55 and report["goal_added_p95_s"] == 0.060
+    # TTS first audio while the LLM generates / idle
+    _summary(report["tts_first_audio_idle_s"], "tts idle", n=1)
+    _summary(report["tts_first_audio_llm_busy_s"], "tts busy", n=1)
+    _positive(report["llm_stream_lines_during_busy"], "llm lines")
+    _positive(report["contention_ratio"], "contention_ratio")
+    assert report["contention_ratio"] == pytest.approx(
+        report["tts_first_audio_llm_busy_s"]["p50"] / report["tts_first_audio_idle_s"]["p50"])
+    assert report["goal_ratio"] == 1.3
