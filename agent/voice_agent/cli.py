@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         from .web_client import run_web
 
         return run_web(from_args(args, WebSettings))
-    from .demo import run_demo
+    from .demo import TurnAudioError, run_demo
     from .local_services import resolve_offline
 
     settings = resolve_offline(from_args(args))
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_bench(settings, args.turns, args.tts_requests, args.out)
         return run_demo(settings, args.wav, args.out, args.json)
-    except (RuntimeError, TimeoutError, FileNotFoundError) as e:
+    except (RuntimeError, TimeoutError, FileNotFoundError, TurnAudioError) as e:
         print(f"voice-agent: error: {e}", file=sys.stderr)
         return 1
 

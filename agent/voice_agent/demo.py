@@ -25,12 +25,19 @@ DEFAULT_QUESTION = "Hello there. What time is it right now?"
 INPUT_RATE = 48000  # a LiveKit room's rate
 
 
+class TurnAudioError(ValueError):
+    """A user turn that cannot be read as a 16-bit PCM WAV file."""
+
+
 def load_turn_audio(path: Path | None) -> np.ndarray:
     """int16 mono at 48 kHz, from a WAV file (any rate) or espeak-ng's default question."""
     from .speech_assets import read_wav, speech_wav
 
     wav = path or speech_wav(DEFAULT_QUESTION, sample_rate=INPUT_RATE)
-    samples, rate = read_wav(wav)
+    try:
+        samples, rate = read_wav(wav)
+    except (OSError, EOFError, wave.Error, ValueError) as e:
+        raise TurnAudioError(f"{wav} is not a readable 16-bit PCM WAV file: {e}") from None
     if rate != INPUT_RATE:
         from livekit import rtc
 
@@ -95,6 +102,8 @@ def print_table(reports: list[TurnReport]) -> None:
 
 
 def run_demo(settings: Settings, wavs: list[Path], out: Path, as_json: bool) -> int:
+    # the input first: a bad file fails before any engine or LLM starts
+    turns = [load_turn_audio(w) for w in wavs] or [load_turn_audio(None)]
     tts = ensure_tts_engine(settings)
     llm_svc = None
     try:
@@ -109,7 +118,6 @@ def run_demo(settings: Settings, wavs: list[Path], out: Path, as_json: bool) -> 
                                tts_max_new_tokens=settings.tts_max_new_tokens or 8)  # fmt: skip
         for note in notes:
             print(f"NOTE: {note}", file=sys.stderr)
-        turns = [load_turn_audio(w) for w in wavs] or [load_turn_audio(None)]
         reports = asyncio.run(run_turns(settings, turns, tts_url=tts.url, llm_url=llm_svc.url))
     finally:
         tts.stop()

@@ -1,8 +1,10 @@
 """Local services the agent starts when no URL is configured: the TTS engine and mlx_lm.server.
 
 One engine per host: a worker that finds one already answering on the port reuses it, so every
-job process and every worker on a host shares it. Offline, generated tiny models stand in for the
-real ones, and the output says loudly that their voice and answers are random.
+job process and every worker on a host shares it. A service started here outlives the process
+that started it while others on the host use it, and stops with its last user (`LocalService.stop`).
+Offline, generated tiny models stand in for the real ones, and the output says loudly that their
+voice and answers are random.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import psutil
 
 from .settings import Settings
 
@@ -35,17 +39,87 @@ def cache_dir() -> Path:
 class LocalService:
     name: str
     url: str
-    proc: subprocess.Popen | None = None  # None: somebody else's, reused
+    proc: subprocess.Popen | None = None  # None: started by another process, or not local
     notes: tuple[str, ...] = ()
     model: str | None = None  # the model name to request, when it differs from the settings'
+    host_key: str | None = None  # a host-shared local service ("tts-8880"); None: a configured URL
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        """Stop using the service: a local one stops when no other live process on the host uses
+        it, whoever started it (a configured URL is left alone)."""
+        if self.host_key is None:
+            return
+        with _HostLock(self.host_key):
+            _leave(self.host_key)
+            if _live_users(self.host_key):
+                logger.info("%s keeps running for its other users on this host", self.name)
+                return
+            _stop_started(self.host_key, self.proc)
+
+
+# Who uses a host-shared service, under cache_dir() and the service's host lock:
+# `{key}.users/{pid}` per process that uses it and `{key}.started` for the process started here,
+# each holding "pid start-time" so that a pid the OS has reused never counts.
+def _identity(pid: int) -> str | None:
+    try:
+        return f"{pid} {psutil.Process(pid).create_time():.3f}"
+    except psutil.Error:
+        return None
+
+
+def _join(key: str) -> None:
+    users = cache_dir() / f"{key}.users"
+    users.mkdir(exist_ok=True)
+    (users / str(os.getpid())).write_text(_identity(os.getpid()) or "")
+
+
+def _leave(key: str) -> None:
+    (cache_dir() / f"{key}.users" / str(os.getpid())).unlink(missing_ok=True)
+
+
+def _live_users(key: str) -> list[int]:
+    """The pids that use the service; files of processes that died without `stop` are removed."""
+    users = cache_dir() / f"{key}.users"
+    alive = []
+    for path in users.iterdir() if users.is_dir() else ():
+        if path.name.isdigit() and path.read_text() == _identity(int(path.name)):
+            alive.append(int(path.name))
+        else:
+            path.unlink(missing_ok=True)
+    return alive
+
+
+def _record_started(key: str, pid: int) -> None:
+    (cache_dir() / f"{key}.started").write_text(_identity(pid) or "")
+
+
+def _stop_started(key: str, proc: subprocess.Popen | None) -> None:
+    """SIGTERM the process group of the service started on this host (its workers included),
+    SIGKILL after 15 s."""
+    path = cache_dir() / f"{key}.started"
+    recorded = path.read_text() if path.is_file() else ""
+    path.unlink(missing_ok=True)
+    pid = int(recorded.split()[0]) if recorded else None
+    if pid is None or _identity(pid) != recorded:
+        return  # never started here, or already gone
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        _kill_group(pid, sig)
+        try:
+            psutil.Process(pid).wait(15)  # reaps it when it is our child
+            break
+        except psutil.TimeoutExpired:
+            continue
+        except psutil.NoSuchProcess:
+            break
+    if proc is not None:
+        proc.poll()
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # services run in their own session: the group id is their pid
+    except ProcessLookupError:
+        pass
 
 
 def _answers(url: str) -> bool:
@@ -61,10 +135,13 @@ def _wait(url: str, proc: subprocess.Popen, what: str, timeout: float, log: Path
         if _answers(url):
             return
         if proc.poll() is not None:
-            tail = log.read_text()[-2000:] if log.is_file() else ""
-            raise RuntimeError(f"{what} exited with code {proc.returncode}:\n{tail}")
+            # one line: the last line of its log (an exception, usually) and where the rest is
+            lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+            last = f": {lines[-1].strip()}" if lines else ""
+            raise RuntimeError(f"{what} exited with code {proc.returncode}{last} (log: {log})")
         time.sleep(0.25)
-    proc.kill()
+    _kill_group(proc.pid, signal.SIGKILL)
+    proc.wait(15)
     raise TimeoutError(f"{what} did not answer {url} within {timeout:.0f}s (log: {log})")
 
 
@@ -132,11 +209,12 @@ def ensure_tts_engine(settings: Settings, *, timeout: float = 900.0) -> LocalSer
     """The TTS URL to use: the configured one, a running local engine, or a new one."""
     if settings.tts_url:
         return LocalService("tts", settings.tts_url)
-    url = f"http://127.0.0.1:{settings.tts_port}"
-    with _HostLock(f"tts-{settings.tts_port}"):
+    url, key = f"http://127.0.0.1:{settings.tts_port}", f"tts-{settings.tts_port}"
+    with _HostLock(key):
         if _answers(f"{url}/ready"):
             logger.info("reusing the TTS engine already running at %s", url)
-            return LocalService("tts", url)
+            _join(key)
+            return LocalService("tts", url, host_key=key)
         model, notes = settings.tts_model, ()
         variant = settings.tts_variant
         if not hub_model_available(model, settings.offline):
@@ -149,19 +227,23 @@ def ensure_tts_engine(settings: Settings, *, timeout: float = 900.0) -> LocalSer
             cmd += ["--variant", variant]
         proc = _spawn(cmd, f"tts-engine-{settings.tts_port}.log", f"{url}/ready",
                       "the local TTS engine", timeout)  # fmt: skip
-        return LocalService("tts", url, proc, notes)
+        _record_started(key, proc.pid)
+        _join(key)
+        return LocalService("tts", url, proc, notes, host_key=key)
 
 
 def ensure_llm(settings: Settings, *, timeout: float = 600.0) -> LocalService:
     """The LLM base URL to use: the configured one, or a local mlx_lm.server."""
     if settings.llm_base_url:
         return LocalService("llm", settings.llm_base_url)
-    url = f"http://127.0.0.1:{settings.llm_port}"
-    with _HostLock(f"llm-{settings.llm_port}"):
+    url, key = f"http://127.0.0.1:{settings.llm_port}", f"llm-{settings.llm_port}"
+    with _HostLock(key):
         if _answers(f"{url}/v1/models"):
             logger.info("reusing the LLM server already running at %s", url)
             models = httpx.get(f"{url}/v1/models", timeout=2).json().get("data", [])
-            return LocalService("llm", f"{url}/v1", model=models[0]["id"] if models else None)
+            _join(key)
+            return LocalService("llm", f"{url}/v1", model=models[0]["id"] if models else None,
+                                host_key=key)  # fmt: skip
         model, notes = settings.llm_model, ()
         if not hub_model_available(model, settings.offline):
             from .tiny_llm import write_tiny_llm
@@ -176,5 +258,7 @@ def ensure_llm(settings: Settings, *, timeout: float = 600.0) -> LocalService:
         env = {**os.environ, "HF_HUB_OFFLINE": "1"} if settings.offline else None
         proc = _spawn(cmd, f"mlx-lm-server-{settings.llm_port}.log", f"{url}/v1/models",
                       "the local LLM (mlx_lm.server)", timeout, env)  # fmt: skip
+        _record_started(key, proc.pid)
+        _join(key)
         # mlx_lm.server loads the model a request names: name the one it was started with.
-        return LocalService("llm", f"{url}/v1", proc, notes, model=model)
+        return LocalService("llm", f"{url}/v1", proc, notes, model=model, host_key=key)

@@ -13,14 +13,14 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from urllib.parse import urlparse
 
 import httpx
 from livekit.agents import AgentServer, JobContext, JobProcess, cli
 from livekit.agents.worker import _DefaultLoadCalc
 
-from .local_services import ensure_llm, ensure_tts_engine, resolve_offline
+from .local_services import LocalService, ensure_llm, ensure_tts_engine, resolve_offline
 from .observability import TurnMetrics
 from .pipeline import VoiceAgent, build_session, build_stt
 from .settings import Settings
@@ -158,12 +158,27 @@ async def entrypoint(ctx: JobContext) -> None:
         await ctx.room.local_participant.set_attributes({"worker": settings.worker_tag})
 
 
-def _check_livekit_url() -> str | None:
-    url = os.environ.get("LIVEKIT_URL")
+def _url_option(argv: Sequence[str]) -> str | None:
+    """The value of LiveKit's `--url` option in `argv` (it wins over LIVEKIT_URL), if given."""
+    for i, arg in enumerate(argv):
+        if arg == "--url" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--url="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _check_livekit_url(argv: Sequence[str] = ()) -> str | None:
+    url = _url_option(argv) or os.environ.get("LIVEKIT_URL")
     if not url:
         return "LIVEKIT_URL is not set (and LIVEKIT_API_KEY / LIVEKIT_API_SECRET): see the README"
     u = urlparse(url)
-    port = u.port or (443 if u.scheme in ("wss", "https") else 80)
+    try:
+        port = u.port or (443 if u.scheme in ("wss", "https") else 80)
+    except ValueError as e:  # a port out of range or not a number
+        return f"LIVEKIT_URL {url!r} is not a valid URL: {e}"
+    if u.scheme not in ("ws", "wss", "http", "https") or not u.hostname:
+        return f"LIVEKIT_URL {url!r} is not a ws://, wss://, http:// or https:// URL"
     try:
         socket.create_connection((u.hostname, port), timeout=3).close()
     except OSError as e:
@@ -191,29 +206,35 @@ def run_worker(argv: list[str]) -> int:
         cli.run_app(server)
         return 0
     problem = (_check_audio_devices() if command == "console"
-               else _check_livekit_url() if command in ("start", "dev", "connect") else None)  # fmt: skip
+               else _check_livekit_url(argv) if command in ("start", "dev", "connect") else None)  # fmt: skip
     if problem:
         print(f"voice-agent: {problem}", file=sys.stderr)
         return 1
     settings = resolve_offline(Settings.load())
     if settings.offline:
         os.environ["VOICE_AGENT_OFFLINE"] = "1"  # job processes pick the bundled STT model too
-    tts = ensure_tts_engine(settings)
-    llm = ensure_llm(settings)
-    for service in (tts, llm):
-        for note in service.notes:
-            print(f"NOTE: {note}", file=sys.stderr)
-    os.environ["TTS_URL"], os.environ["LLM_BASE_URL"] = tts.url, llm.url
-    if llm.model:
-        os.environ["LLM_MODEL"] = llm.model
-    os.environ["TTS_QUEUE_CAPACITY"] = str(settings.tts_queue_capacity)  # `load` reads the env
-    server._port = settings.agent_http_port  # no public setter; two workers on a host need two
-    if command == "start":  # dev keeps LiveKit's development default (no limit)
-        server.update_options(load_threshold=settings.agent_load_threshold)
-    sys.argv = ["voice-agent", *argv]
-    try:
+    services: list[LocalService] = []
+    try:  # every service started here stops (or is left to its other users) on the way out
+        try:
+            services.append(ensure_tts_engine(settings))
+            services.append(ensure_llm(settings))
+        except (RuntimeError, TimeoutError) as e:
+            print(f"voice-agent: error: {e}", file=sys.stderr)
+            return 1
+        tts, llm = services
+        for service in services:
+            for note in service.notes:
+                print(f"NOTE: {note}", file=sys.stderr)
+        os.environ["TTS_URL"], os.environ["LLM_BASE_URL"] = tts.url, llm.url
+        if llm.model:
+            os.environ["LLM_MODEL"] = llm.model
+        os.environ["TTS_QUEUE_CAPACITY"] = str(settings.tts_queue_capacity)  # `load` reads the env
+        server._port = settings.agent_http_port  # no public setter; two workers on a host need two
+        if command == "start":  # dev keeps LiveKit's development default (no limit)
+            server.update_options(load_threshold=settings.agent_load_threshold)
+        sys.argv = ["voice-agent", *argv]
         cli.run_app(server)
     finally:
-        tts.stop()
-        llm.stop()
+        for service in services:
+            service.stop()
     return 0
