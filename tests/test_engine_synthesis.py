@@ -138,3 +138,71 @@ def test_base_model_clones_from_reference_audio(tiny_checkpoint, tmp_path: Path)
         chunks = list(stream_chunks(m, SpeechRequest(input="Cloned voice.", max_new_tokens=4,
                                                      ref_text=ref_text), ref_audio=audio))  # fmt: skip
         assert [c.frames for c in chunks] == [4]
+
+
+# -- end of speech: a checkpoint whose utterances end by EOS (eos="text"), as real ones do -------
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny_checkpoint):
+    m, _ = load(resolve(str(tiny_checkpoint("custom_voice", eos="text"))), progress=False)
+    return m
+
+
+def _frames_until_eos(model, text: str, seed: int = 7, **kw) -> SynthesisStats:
+    stats = SynthesisStats()
+    list(stream_chunks(model, _req(input=text, seed=seed, **kw), stats=stats, decode=False))
+    return stats
+
+
+def test_eos_ends_each_text_at_its_own_frame(eos_model):
+    texts = ["Hi.", "How are you today?", "The quick brown fox jumps over the lazy dog."]
+    runs = [_frames_until_eos(eos_model, t) for t in texts]
+    assert not any(r.hit_token_cap for r in runs)
+    frames = [r.frames for r in runs]
+    assert frames[0] >= 3 and frames[0] < frames[1] < frames[2], frames  # longer text, later EOS
+    assert all(f < default_max_new_tokens(t) / 4 for f, t in zip(frames, texts, strict=True))
+    # Same text and seed: the same frame count (deterministic); a cap below it still caps.
+    assert _frames_until_eos(eos_model, texts[2]).frames == frames[2]
+    capped = _frames_until_eos(eos_model, texts[2], max_new_tokens=frames[2] - 1)
+    assert capped.hit_token_cap and capped.frames == frames[2] - 1
+
+
+def test_eos_stream_has_a_short_last_chunk_and_no_seams(eos_model):
+    # A text and seed whose EOS frame is not a multiple of 4 (checked, not assumed).
+    text, seed = next((t, s) for t in ("No seams here, please.", "Short and sweet.", "Hello there.")
+                      for s in (7, 8, 9)
+                      if _frames_until_eos(eos_model, t, s).frames % 4)  # fmt: skip
+    stats = SynthesisStats()
+    chunks = list(stream_chunks(eos_model, _req(input=text, seed=seed), keep_codes=True, stats=stats))
+    n = stats.frames
+    assert not stats.hit_token_cap and n % 4
+    assert [c.frames for c in chunks] == [4] * (n // 4) + [n % 4]
+    assert [c.audio.shape[0] for c in chunks] == [c.frames * FRAME_SAMPLES for c in chunks]
+    streamed = np.concatenate([c.audio for c in chunks])
+    reference = one_shot_decode(eos_model, np.concatenate([c.codes for c in chunks]))
+    assert np.abs(reference).max() > 1e-3
+    np.testing.assert_allclose(streamed, reference, atol=2e-4, rtol=0)
+
+
+def test_eos_sentences_each_end_and_chunks_span_the_boundaries(eos_model):
+    text = "The first sentence is right here. And a second one ends the paragraph."
+    stats = SynthesisStats()
+    chunks = list(stream_chunks(eos_model, _req(input=text), stats=stats, keep_codes=True))
+    assert stats.sentences == 2 and not stats.hit_token_cap
+    # Each sentence ended by EOS on its own (the second alone ends at about the same frame).
+    first = _frames_until_eos(eos_model, "The first sentence is right here.")
+    assert first.frames < stats.frames
+    assert [c.frames for c in chunks][:-1] == [4] * (len(chunks) - 1)
+    assert sum(c.frames for c in chunks) == stats.frames
+    streamed = np.concatenate([c.audio for c in chunks])
+    reference = one_shot_decode(eos_model, np.concatenate([c.codes for c in chunks]))
+    np.testing.assert_allclose(streamed, reference, atol=2e-4, rtol=0)
+
+
+def test_eos_in_quantized_checkpoints(tiny_checkpoint):
+    text = "The quick brown fox jumps over the lazy dog."
+    for bits in (8, 4):
+        m, _ = load(resolve(str(tiny_checkpoint("custom_voice", eos="text", bits=bits))), progress=False)
+        stats = _frames_until_eos(m, text)
+        assert not stats.hit_token_cap and 3 <= stats.frames < default_max_new_tokens(text) / 4

@@ -16,13 +16,13 @@ from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES
 from .engine_process import EngineProcess, free_port
 
 pytestmark = pytest.mark.slow
-FRAMES = 6  # per sentence; the tiny checkpoint never emits EOS, so every sentence has exactly 6
+FRAMES = 6  # a cap: checkpoints that never emit EOS give every sentence exactly 6
 SENTENCES = ["The first sentence is here.", "Then comes the second one.", "And the third one ends it."]
 
 
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoint):
-    ckpt = tiny_checkpoint("custom_voice")
+    ckpt = tiny_checkpoint("custom_voice", eos="text")  # utterances end by EOS, as real ones do
     a, b = EngineProcess(ckpt), EngineProcess(ckpt)
     a.start(), b.start()
     yield a, b
@@ -64,14 +64,23 @@ async def _sentence_audio(tts: qwen3_tts.TTS, text: str) -> np.ndarray:
 
 
 async def test_three_sentences_stream_in_order_with_ttfb(engines):
+    import httpx
+
     a, _ = engines
-    tts = _tts([a.url])
+    tts = _tts([a.url], max_new_tokens=None)  # each sentence ends by EOS
     metrics = []
     tts.on("metrics_collected", metrics.append)
     try:
         stream, audio = await _stream_text(tts, SENTENCES)
         assert [s.text for s in stream.sentences] == SENTENCES
-        assert [s.samples for s in stream.sentences] == [FRAMES * FRAME_SAMPLES] * 3
+        # Each sentence is whole frames, ended by EOS at its own length, never by the cap.
+        async with httpx.AsyncClient(base_url=a.url) as c:
+            handler = (await c.get("/v1/engine/status")).json()["handlers"][0]
+        assert handler["last_stats"] and not handler["last_stats"]["hit_token_cap"]
+        samples = [s.samples for s in stream.sentences]
+        assert all(n > 0 and n % FRAME_SAMPLES == 0 for n in samples), samples
+        assert len(set(samples)) > 1, samples  # different sentences end at different frames
+        assert len(audio) == sum(samples)  # no silence or marker frames between or after them
         # Text order = audio order: the stream equals the three sentences synthesized one by one.
         reference = np.concatenate([await _sentence_audio(tts, s) for s in SENTENCES])
         assert audio.shape == reference.shape

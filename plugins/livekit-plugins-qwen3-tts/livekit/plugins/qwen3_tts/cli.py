@@ -32,13 +32,14 @@ def _need_mlx() -> None:
 
 
 def default_tiny_checkpoint(variant: str = "custom_voice") -> Path:
-    """A tiny random checkpoint built once into the cache (for demos and offline runs)."""
+    """A tiny random checkpoint built once into the cache (for demos and offline runs); its
+    utterances end by EOS after about one frame per text token, as a real model's end."""
     from .engine.loading import cache_root
     from .engine.tiny_checkpoint import write_tiny_checkpoint
 
-    out = cache_root() / "tiny" / f"{variant}-seed0"
+    out = cache_root() / "tiny" / f"{variant}-seed0-eos-text"
     if not (out / "config.json").is_file():
-        write_tiny_checkpoint(out, variant=variant, seed=0)
+        write_tiny_checkpoint(out, variant=variant, seed=0, eos="text")
     return out
 
 
@@ -59,7 +60,8 @@ def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
     from .engine.tiny_checkpoint import write_tiny_checkpoint
 
     t0 = time.perf_counter()
-    out = write_tiny_checkpoint(args.out, variant=args.variant, bits=args.bits, seed=args.seed)
+    out = write_tiny_checkpoint(args.out, variant=args.variant, bits=args.bits, seed=args.seed,
+                                eos=args.eos)  # fmt: skip
     size = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file())
     print(f"wrote {args.variant} tiny checkpoint ({size / 1e6:.1f} MB) to {out} "
           f"in {time.perf_counter() - t0:.1f}s")  # fmt: skip
@@ -316,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--variant", choices=["custom_voice", "base", "voice_design"], default="custom_voice")
     t.add_argument("--bits", type=int, choices=[4, 6, 8])
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--eos", choices=["text", "never", "random"], default="text",
+                   help="how utterances end: by EOS after about one frame per text token (text), "
+                        "only at --max-new-tokens (never), or when sampling picks EOS (random)")
     t.set_defaults(fn=cmd_tiny_checkpoint)
 
     s = sub.add_parser("serve", help="run the engine server")

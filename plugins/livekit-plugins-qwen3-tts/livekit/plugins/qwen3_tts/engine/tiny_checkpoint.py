@@ -236,8 +236,8 @@ def _speech_tokenizer_config() -> dict[str, Any]:
             "attention_dropout": 0.0,
             "codebook_dim": 160,
             "codebook_size": 2048,
-            # decoder_dim / 2**4 = 65 channels in the last block: above the heuristic's 64
-            "decoder_dim": 1040,
+            # decoder_dim / 2**2 = 65 channels in the last block: above the heuristic's 64
+            "decoder_dim": 260,
             "head_dim": 16,
             "hidden_act": "silu",
             "hidden_size": 64,
@@ -255,8 +255,10 @@ def _speech_tokenizer_config() -> dict[str, Any]:
             "semantic_codebook_size": 4096,
             "sliding_window": 72,
             # product 480 (x 2 x 2 = 1920 samples per frame); the real model uses [8, 5, 4, 3].
-            # Early upsampling keeps the wide blocks at low rates: ~3x faster on a CPU.
-            "upsample_rates": [2, 2, 4, 30],
+            # Two blocks instead of four: each block's residual units run dilated convolutions
+            # (dilations 1, 3, 9), ~100x slower than plain ones on mlx-cpu; the last block at
+            # 24 kHz costs the same either way. ~20 % cheaper per chunk than [2, 2, 4, 30].
+            "upsample_rates": [16, 30],
             "upsampling_ratios": [2, 2],
             "vector_quantization_hidden_dimension": 160,
         },
@@ -488,6 +490,81 @@ def _check_round_trip(sanitized: dict, expected: dict, what: str, skip=()) -> No
             raise RuntimeError(f"{what}: {k} does not load back bit-exactly")
 
 
+# ----------------------------------------------------------------------------- end of speech
+
+EOS_MODES = ("never", "random", "text")
+# Residual-stream dimensions that the "text" mode reserves (the last three of 64).
+_MARK, _COUNT, _SCORE = 61, 62, 63
+# Values chosen by measurement (tests/test_tiny_checkpoint.py): about one frame per text token
+# plus two, and an EOS logit that swings from about -60 to +60 around the crossing.
+_MARK_VALUE, _COUNT_VALUE, _ALPHA, _THETA, _BETA = 8.0, 8.0, 4.0, 0.42, 64.0
+
+
+def _text_length_eos(weights: dict, config: dict) -> None:
+    """Wire the talker so that it emits EOS after a number of frames that grows with the text.
+
+    The whole text is in the prefill; every generated frame's input embeds a codebook-0 token
+    (< 2048) while prefill positions embed control tokens (>= 2048), and each text position
+    carries `codec_pad`. Dimension _MARK is set on generated frames only, _COUNT on text
+    positions only; one layer-0 attention head with a zero query averages both over all
+    positions, and writes mark - theta * count to _SCORE, which only the EOS row of the codec
+    head reads. EOS wins once the generated frames outweigh the text: deterministic for a given
+    text and seed, and longer text ends later. Every edited row keeps at most two non-zero
+    entries, so 8- and 4-bit quantization keeps the behaviour (zero is exact in MLX's grid).
+    """
+    import mlx.core as mx
+
+    talker = config["talker_config"]
+    reserved = [_MARK, _COUNT, _SCORE]
+
+    def edit(name, fn):
+        arr = np.array(weights[name].astype(mx.float32))
+        fn(arr)
+        weights[name] = mx.array(arr).astype(weights[name].dtype)
+
+    def codec_embedding(w):
+        w[:, reserved] = 0.0
+        w[:2048, _MARK] = _MARK_VALUE  # codebook-0 codes of generated frames
+        w[talker["codec_pad_id"], _COUNT] = _COUNT_VALUE  # one per text position
+
+    edit("talker.model.codec_embedding.weight", codec_embedding)
+    for i in range(talker["num_code_groups"] - 1):
+        edit(f"talker.code_predictor.model.codec_embedding.{i}.weight",
+             lambda w: w.__setitem__((slice(None), reserved), 0.0))  # fmt: skip
+    for leaf in ("weight", "bias"):
+        edit(f"talker.text_projection.linear_fc2.{leaf}", lambda w: w.__setitem__(reserved, 0.0))
+    head_dim = talker["head_dim"]
+    for layer in range(talker["num_hidden_layers"]):
+        base = f"talker.model.layers.{layer}"
+        edit(f"{base}.mlp.down_proj.weight", lambda w: w.__setitem__(reserved, 0.0))
+        edit(f"{base}.self_attn.o_proj.weight", lambda w: w.__setitem__(reserved, 0.0))
+    base = "talker.model.layers.0"
+    # Head 0 attends uniformly (zero query); its kv head's last two value dims read the counters.
+    edit(f"{base}.self_attn.q_proj.weight", lambda w: w.__setitem__(slice(0, head_dim), 0.0))
+    edit(f"{base}.input_layernorm.weight", lambda w: w.__setitem__([_MARK, _COUNT], 1.0))
+    j_mark, j_count = head_dim - 2, head_dim - 1
+
+    def v_proj(w):
+        w[[j_mark, j_count]] = 0.0
+        w[j_mark, _MARK] = 1.0
+        w[j_count, _COUNT] = 1.0
+
+    def o_proj(w):
+        w[_SCORE, j_mark] = _ALPHA
+        w[_SCORE, j_count] = -_ALPHA * _THETA
+
+    edit(f"{base}.self_attn.v_proj.weight", v_proj)
+    edit(f"{base}.self_attn.o_proj.weight", o_proj)
+    edit("talker.model.norm.weight", lambda w: w.__setitem__(_SCORE, 1.0))
+
+    def codec_head(w):
+        w[:, _SCORE] = 0.0
+        w[talker["codec_eos_token_id"]] = 0.0
+        w[talker["codec_eos_token_id"], _SCORE] = _BETA
+
+    edit("talker.codec_head.weight", codec_head)
+
+
 # ----------------------------------------------------------------------------- tokenizer
 
 
@@ -574,7 +651,7 @@ def write_tiny_checkpoint(
     bits: int | None = None,
     seed: int = 0,
     group_size: int = 64,
-    eos: bool = False,
+    eos: bool | str = "never",
     talker_layers: int = 2,
     tts_model_size: str = "0b6",
     talker_intermediate_size: int = 128,
@@ -585,8 +662,11 @@ def write_tiny_checkpoint(
     `model.safetensors` (+ index) in MLX layout and bf16, `config.json`, `generation_config.json`,
     Qwen2 tokenizer files, and `speech_tokenizer/` (decoder and encoder) in the PyTorch layout
     of the original repo. `bits` (4, 6 or 8) quantizes with mlx-audio's own predicate.
-    `eos=False` zeroes the EOS row of the talker's codec head, so that with the default top-k
-    sampling a stream always runs to `max_tokens` frames. `talker_layers` sets the talker depth;
+    `eos` decides how an utterance ends: "never" (or False) zeroes the EOS row of the talker's
+    codec head, so a stream always runs to `max_tokens` frames; "random" (or True) keeps the
+    random row (EOS whenever sampling picks it); "text" ends each utterance by EOS after about
+    one frame per text token plus two, deterministically for a given text and seed, as real
+    models end theirs (see `_text_length_eos`). `talker_layers` sets the talker depth;
     `tts_model_size` "1b7" makes CustomVoice honour `instruct` (mlx-audio drops it for "0b6").
     A large `talker_intermediate_size` makes the quantizable weights dominate a worker's memory
     (the memory-governor tests).
@@ -604,6 +684,9 @@ def write_tiny_checkpoint(
     )
     from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import Qwen3TTSSpeechTokenizer
 
+    eos = {False: "never", True: "random"}.get(eos, eos) if isinstance(eos, bool) else eos
+    if eos not in EOS_MODES:
+        raise ValueError(f"eos must be one of {EOS_MODES}, got {eos!r}")
     if bits is not None and bits not in QUANT_BITS:
         raise ValueError(f"bits must be one of {QUANT_BITS} or None, got {bits!r}")
     if group_size not in (32, 64):
@@ -617,11 +700,13 @@ def write_tiny_checkpoint(
     # --- talker (+ speaker encoder for base): what convert saves is model.parameters()
     model = q3.Model(ModelConfig.from_dict(config))
     weights = _random_tree(model, seed, dtype=mx.bfloat16)
-    if not eos:
+    if eos == "never":
         eos_id = config["talker_config"]["codec_eos_token_id"]
         head = np.array(weights["talker.codec_head.weight"].astype(mx.float32))
         head[eos_id] = 0.0
         weights["talker.codec_head.weight"] = mx.array(head).astype(mx.bfloat16)
+    elif eos == "text":
+        _text_length_eos(weights, config)
     _check_round_trip(model.sanitize(dict(weights)), weights, "model.safetensors")
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
