@@ -3,15 +3,31 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-# The LiveKit call test needs a livekit-server binary (built with Go); without one it is skipped.
-bash scripts/install_livekit_server.sh || echo "WARNING: no livekit-server; the LiveKit call test will be skipped" >&2
+# CI (CI set and not 0/false) must run every test: a missing tool is a failure there, while a
+# local run skips the tests that need it (each skip prints its reason in the summary).
+in_ci() { case "${CI:-}" in ""|0|false|False|FALSE) return 1;; *) return 0;; esac; }
+optional() {  # optional WHAT COMMAND...: run an installer; fail under CI, warn elsewhere
+  local what=$1; shift
+  if ! "$@"; then
+    if in_ci; then echo "ERROR: CI is set and $what could not be installed (see above)" >&2; exit 1; fi
+    echo "WARNING: $what missing: the tests that need it will be skipped" >&2
+  fi
+}
+# The LiveKit tests need a livekit-server binary (built with Go).
+optional "livekit-server" bash scripts/install_livekit_server.sh
 # The browser-client test needs Debian's chromium and the npm packages (livekit-client, playwright-core).
-bash scripts/install_browser.sh || echo "WARNING: browser test dependencies missing; the browser test will be skipped (with CI set: fail)" >&2
+optional "the browser test's tools" bash scripts/install_browser.sh
 source .venv/openblas.env
 export LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE=0 HF_HUB_OFFLINE=1
 
+# No torch in the environment; the check fails loudly if the package listing itself fails.
 if .venv/bin/python -m pip --version >/dev/null 2>&1; then lister=(.venv/bin/python -m pip list); else lister=(.cache/uv/bin/uv pip list --python .venv/bin/python); fi
-if "${lister[@]}" 2>/dev/null | grep -iE '^(torch|torchaudio|torchvision|silero-vad)[[:space:]]'; then
+if ! packages=$("${lister[@]}" 2>&1) || ! grep -qiE '^livekit-agents[[:space:]]' <<<"$packages"; then
+  echo "ERROR: could not list the environment's packages (${lister[*]}):" >&2
+  echo "$packages" | tail -5 >&2
+  exit 1
+fi
+if grep -iE '^(torch|torchaudio|torchvision|silero-vad)[[:space:]]' <<<"$packages"; then
   echo "ERROR: torch (or silero-vad, which pulls it in) is in the environment; it must not be." >&2
   exit 1
 fi

@@ -78,6 +78,9 @@ class Settings(_EnvSettings):
                                  "at which the worker reports full load to LiveKit")
     agent_load_threshold: float = _f("AGENT_LOAD_THRESHOLD", 0.7, "load (0..1: the larger of CPU, "
                                      "TTS queue, TTS memory) at which LiveKit sends no new jobs")
+    agent_load_cpu: bool = _f("AGENT_LOAD_CPU", True, "count this host's CPU in the load (off: "
+                              "only the TTS engine's queue and memory, e.g. when the engine and "
+                              "its CPU are on another host)")
     agent_http_port: int = _f("AGENT_HTTP_PORT", 8081, "port of the worker's health and load "
                               "endpoints (`/`, `/worker`; 0: any free port)")
     worker_tag: str | None = _f("WORKER_TAG", None, "name of this worker, published as the agent "
@@ -128,7 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type = Settings) -> None
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in (bool, "bool"):
-            parser.add_argument(flag, action="store_true", default=None, help=f.metadata["help"])
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                                help=f"{f.metadata['help']} [{f.metadata['env']}]")  # --x / --no-x
         else:
             parser.add_argument(flag, default=None, help=f"{f.metadata['help']} [{f.metadata['env']}]",
                                 type=_argtype(f))  # fmt: skip

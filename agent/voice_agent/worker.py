@@ -121,7 +121,7 @@ _poller_lock = threading.Lock()
 def load(server: AgentServer) -> float:
     """AgentServer.load_fnc (called from an executor thread every 0.5 s)."""
     global _poller
-    cpu = _DefaultLoadCalc.get_load(server)
+    cpu = _DefaultLoadCalc.get_load(server) if os.environ.get("AGENT_LOAD_CPU") != "0" else 0.0
     url = (os.environ.get("TTS_URL") or "").split(",")[0].strip()
     if not url:
         return cpu
@@ -229,6 +229,7 @@ def run_worker(argv: list[str]) -> int:
         if llm.model:
             os.environ["LLM_MODEL"] = llm.model
         os.environ["TTS_QUEUE_CAPACITY"] = str(settings.tts_queue_capacity)  # `load` reads the env
+        os.environ["AGENT_LOAD_CPU"] = "1" if settings.agent_load_cpu else "0"
         server._port = settings.agent_http_port  # no public setter; two workers on a host need two
         if command == "start":  # dev keeps LiveKit's development default (no limit)
             server.update_options(load_threshold=settings.agent_load_threshold)
