@@ -2,9 +2,9 @@
 checkpoints, offline assets), with their smallest settings: the JSON has the fields the README
 documents and the measured numbers are positive. Speed numbers are not checked.
 
-`qwen3-tts bench` sends a fixed 8 frames per request and 1 + 1 + 2 + 4 HTTP requests whatever
-`--repeats` is; `qwen3-tts bench swap` has no size flags (5 plain loads, 4 swaps, a 16-frame
-stream): these two take minutes on 2 cores.
+`qwen3-tts bench` runs one 4-frame request per measurement and 1 + 1 + 2 HTTP requests
+(`--frames 4 --clients 1,2 --repeats 1`); `qwen3-tts bench swap` loads each variant once for
+its reference (`--plain-loads 1`) and then swaps 4 times around a 16-frame stream.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def test_qwen3_tts_bench(tiny_checkpoint, tmp_path):
     model = str(tiny_checkpoint("custom_voice"))
     out = tmp_path / "bench.json"
     report = _run("qwen3-tts", "bench", "--model", model, "--variants", "bf16", "--repeats", "1",
-                  "--out", str(out))  # fmt: skip
+                  "--frames", "4", "--clients", "1,2", "--out", str(out))  # fmt: skip
     assert json.loads(out.read_text()) == report
     assert report["model"] == model and report["tiny_checkpoint"] is False
     # per variant: load time, worker RSS, first audio, per-chunk compute, real-time factor
@@ -65,7 +65,7 @@ def test_qwen3_tts_bench(tiny_checkpoint, tmp_path):
         report["http_first_audio_s"]["p50"] / report["direct_first_audio_s"]["p50"])
     # p50/p95 first audio with 1, 2 and 4 clients
     conc = report["concurrency_first_audio_s"]
-    assert set(conc) == {"1", "2", "4"}
+    assert report["frames_per_request"] == 4 and set(conc) == {"1", "2"}
     for clients, s in conc.items():
         _summary(s, f"concurrency {clients}", n=int(clients))
 
@@ -73,7 +73,8 @@ def test_qwen3_tts_bench(tiny_checkpoint, tmp_path):
 def test_qwen3_tts_bench_swap(tiny_checkpoint, tmp_path):
     model = str(tiny_checkpoint("custom_voice"))
     out = tmp_path / "swap.json"
-    report = _run("qwen3-tts", "bench", "swap", "--model", model, "--out", str(out))
+    report = _run("qwen3-tts", "bench", "swap", "--model", model, "--plain-loads", "1",
+                  "--out", str(out))  # fmt: skip
     assert json.loads(out.read_text()) == report
     assert set(report["plain_load_s"]) == {"bf16", "8bit"}
     for variant, s in report["plain_load_s"].items():

@@ -309,6 +309,23 @@ def _add_governor_options(s: argparse.ArgumentParser) -> None:
                    help="no automatic swaps (POST /v1/engine/variant still works)")
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _client_levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(_positive_int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {text!r}") from None
+    if not levels:
+        raise argparse.ArgumentTypeError("name at least one concurrency level")
+    return levels
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen3-tts", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -383,6 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--variants", default="bf16,8bit,6bit,4bit,talker-mlp-w4")
     b.add_argument("--model", help="checkpoint (default: a tiny random one)")
     b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--frames", type=_positive_int, default=8,
+                   help="engine: frames per request (default 8: first audio and one more chunk)")
+    b.add_argument("--clients", type=_client_levels, default=(1, 2, 4),
+                   help="engine: concurrency levels, comma-separated (default 1,2,4)")
+    b.add_argument("--plain-loads", type=_positive_int, default=2,
+                   help="swap: plain loads per variant whose median is the reference (default 2)")
     b.add_argument("--real-size-memory", action="store_true",
                    help="also build the real 0.6B architecture (random weights) per variant")
     b.add_argument("--out", help="also write the JSON here")

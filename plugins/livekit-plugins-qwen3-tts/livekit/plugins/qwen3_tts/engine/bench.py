@@ -25,7 +25,8 @@ from .handler import Handler, Result
 from .server import Engine, EngineServer, ServerConfig
 
 TEXT = "Streaming speech, four frames at a time, as fast as the machine allows."
-FRAMES = 8  # two 4-frame chunks per request: first audio and one steady-state chunk
+FRAMES = 8  # default: two 4-frame chunks per request, first audio and one steady-state chunk
+CLIENTS = (1, 2, 4)  # default concurrency levels
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -37,7 +38,7 @@ def _summary(values: list[float]) -> dict:
     return {"p50": statistics.median(values), "p95": _pct(values, 0.95), "n": len(values)}
 
 
-async def _variant(model: str, variant: str, repeats: int) -> dict:
+async def _variant(model: str, variant: str, repeats: int, frames_cap: int) -> dict:
     h = Handler(model, variant)
     info = await h.start()
     first, chunk_compute, rtf = [], [], []
@@ -47,7 +48,7 @@ async def _variant(model: str, variant: str, repeats: int) -> dict:
             t0 = time.perf_counter()
             frames = 0
             req = SpeechRequest(input=TEXT, voice=(info["voices"] or [None])[0], seed=i,
-                                max_new_tokens=FRAMES, language="english")  # fmt: skip
+                                max_new_tokens=frames_cap, language="english")  # fmt: skip
             async for chunk in h.synthesize(req, result=result):
                 chunk_compute.append(chunk.compute_s)
                 frames += chunk.frames
@@ -65,7 +66,7 @@ async def _variant(model: str, variant: str, repeats: int) -> dict:
     }  # fmt: skip
 
 
-def _direct_first_audio(model: str, repeats: int, queue) -> None:
+def _direct_first_audio(model: str, repeats: int, frames: int, queue) -> None:
     """mlx-audio's own streaming generate() in this (spawned) process's main thread."""
     import mlx.core as mx
     from mlx_audio.tts.utils import load_model
@@ -78,7 +79,7 @@ def _direct_first_audio(model: str, repeats: int, queue) -> None:
         mx.random.seed(i)
         t0 = time.perf_counter()
         gen = m.generate(text=TEXT, voice=voice, lang_code="english", stream=True,
-                         streaming_interval=0.32, max_tokens=FRAMES)  # fmt: skip
+                         streaming_interval=0.32, max_tokens=frames)  # fmt: skip
         next(gen)
         out.append(time.perf_counter() - t0)
         gen.close()
@@ -96,7 +97,7 @@ async def _http_first_audio(url: str, body: dict) -> float:
     return first
 
 
-async def _server_numbers(model: str, repeats: int) -> dict:
+async def _server_numbers(model: str, repeats: int, frames: int, clients_levels) -> dict:
     server = EngineServer(Engine(model, [Handler(model)]), ServerConfig(port=0))
     await server.start()
     url = f"http://127.0.0.1:{server.port}/v1/audio/speech"
@@ -104,11 +105,11 @@ async def _server_numbers(model: str, repeats: int) -> dict:
     try:
         def body(i):
             return {"input": TEXT, "voice": voice, "seed": i, "language": "en",
-                    "max_new_tokens": FRAMES, "stream": True, "response_format": "pcm"}  # fmt: skip
+                    "max_new_tokens": frames, "stream": True, "response_format": "pcm"}  # fmt: skip
 
         single = [await _http_first_audio(url, body(i)) for i in range(repeats)]
         concurrency = {}
-        for clients in (1, 2, 4):
+        for clients in clients_levels:
             firsts: list[float] = []
             for r in range(max(1, repeats // clients)):
                 firsts += await asyncio.gather(*(_http_first_audio(url, body(r * 10 + k))
@@ -164,17 +165,17 @@ def run_bench(args) -> int:
             write_tiny_checkpoint(model, variant="custom_voice", seed=0, talker_layers=8)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     report: dict = {"model": model, "tiny_checkpoint": not args.model, "text": TEXT,
-                    "frames_per_request": FRAMES, "repeats": args.repeats}  # fmt: skip
+                    "frames_per_request": args.frames, "repeats": args.repeats}  # fmt: skip
     print(f"benchmarking {model} ...", file=sys.stderr)
 
     report["variants"] = []
     for v in variants:
         print(f"  variant {v}", file=sys.stderr)
-        report["variants"].append(asyncio.run(_variant(model, v, args.repeats)))
+        report["variants"].append(asyncio.run(_variant(model, v, args.repeats, args.frames)))
 
     print("  direct mlx-audio vs HTTP server", file=sys.stderr)
-    direct = _in_child(_direct_first_audio, model, args.repeats)
-    server = asyncio.run(_server_numbers(model, args.repeats))
+    direct = _in_child(_direct_first_audio, model, args.repeats, args.frames)
+    server = asyncio.run(_server_numbers(model, args.repeats, args.frames, args.clients))
     report["direct_first_audio_s"] = _summary(direct)
     report.update(server)
     report["overhead_ratio"] = server["http_first_audio_s"]["p50"] / statistics.median(direct)

@@ -173,7 +173,7 @@ def run_swap_bench(args) -> int:
 
     async def run() -> dict:
         await _plain_load(model, "8bit")  # quantize-on-load once, so every load is a plain load
-        plain = {v: statistics.median([await _plain_load(model, v) for _ in range(2)])
+        plain = {v: statistics.median([await _plain_load(model, v) for _ in range(args.plain_loads)])
                  for v in ("bf16", "8bit")}  # fmt: skip
         modes = {}
         for mode in (MAKE_BEFORE_BREAK, BREAK_BEFORE_MAKE):
