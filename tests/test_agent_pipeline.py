@@ -10,6 +10,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import httpx
 import pytest
 
 from livekit.plugins.qwen3_tts.engine.handler import Handler
@@ -24,13 +25,14 @@ from .engine_process import free_port
 from .openai_server import ScriptedChatServer
 
 pytestmark = pytest.mark.slow
-FRAMES = 6  # per sentence (the tiny checkpoint never stops on its own)
+# The engine's checkpoint ends each sentence by EOS (about one frame per text token), as a real
+# model does; the agent sends no frame cap unless a test sets one.
 SEGMENT_MARKER = 240  # LiveKit closes a TTS segment with at most a 10 ms frame at 24 kHz
 
 
 @pytest.fixture(scope="module")
 async def engine(tiny_checkpoint):
-    model = str(tiny_checkpoint("custom_voice"))
+    model = str(tiny_checkpoint("custom_voice", eos="text"))
     srv = EngineServer(Engine(model, [Handler(model)]), ServerConfig(port=0))
     await srv.start()
     yield srv
@@ -39,7 +41,7 @@ async def engine(tiny_checkpoint):
 
 def _settings(engine, llm_url: str, **kw) -> Settings:
     return Settings(tts_url=f"http://127.0.0.1:{engine.port}", llm_base_url=llm_url, llm_model="scripted",
-                    offline=True, tts_max_new_tokens=kw.pop("frames", FRAMES), **kw)  # fmt: skip
+                    offline=True, tts_max_new_tokens=kw.pop("frames", None), **kw)  # fmt: skip
 
 
 def _question(text: str):
@@ -66,6 +68,7 @@ async def test_turn_with_tool_call_end_to_end(engine):
     # The reply audio is exactly what the engine made for this turn's sentences.
     syntheses = list(handler.history)[before:]
     assert syntheses and all(not s["cancelled"] for s in syntheses)
+    assert not any(s["hit_token_cap"] for s in syntheses), syntheses  # every sentence ended by EOS
     engine_samples = sum(s["frames"] for s in syntheses) * 1920
     assert engine_samples > 0
     assert 0 <= len(report.reply_audio) - engine_samples <= SEGMENT_MARKER, (len(report.reply_audio), engine_samples)
@@ -101,7 +104,7 @@ async def test_barge_in_stops_agent_audio_and_cancels_tts(engine):
         state["task"] = asyncio.create_task(barge_in_when_agent_speaks())
 
     try:
-        reports = await run_turns(_settings(engine, llm.url, frames=16), [_question("Tell me a story.")],
+        reports = await run_turns(_settings(engine, llm.url), [_question("Tell me a story.")],
                                   tts_url=f"http://127.0.0.1:{engine.port}", llm_url=llm.url,
                                   on_start=on_start, turn_timeout=180)  # fmt: skip
     finally:
@@ -122,7 +125,12 @@ async def test_barge_in_stops_agent_audio_and_cancels_tts(engine):
         await asyncio.sleep(0.1)
     syntheses = list(handler.history)[before:]
     assert any(s["cancelled"] for s in syntheses), syntheses
-    assert sum(s["frames"] for s in syntheses) < 6 * 16  # far from the whole answer
+    # Far from the whole answer: six sentences, each ending by EOS at about `whole` frames.
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{engine.port}", timeout=120) as c:
+        r = await c.post("/v1/audio/speech", json={"input": "This is a long answer.", "voice": "ryan",
+                                                   "response_format": "pcm", "seed": 1})  # fmt: skip
+    whole = len(r.content) // (2 * 1920)
+    assert whole >= 4 and sum(s["frames"] for s in syntheses) < 3 * whole, (whole, syntheses)
 
 
 async def test_llm_failure_is_a_spoken_apology(engine):
