@@ -190,6 +190,7 @@ async def test_call_through_a_livekit_server(livekit_server, tiny_checkpoint, tm
            "LLM_MODEL": "scripted", "TTS_MAX_NEW_TOKENS": "6", "VOICE_AGENT_OFFLINE": "1",
            "HF_HUB_OFFLINE": "1", "LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE": "0",
            "VOICE_AGENT_CACHE": str(tmp_path / "va"),
+           "AGENT_HTTP_PORT": "0",  # any free port: other tests may run workers meanwhile
            "AGENT_LOAD_CPU": "0"}  # a busy CI machine must not keep the agent out  # fmt: skip
     caller = Caller(f"caller-{uuid.uuid4().hex[:6]}")
     room = f"call-{uuid.uuid4().hex[:8]}"

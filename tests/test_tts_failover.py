@@ -21,6 +21,7 @@ from livekit.plugins import qwen3_tts
 from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES
 
 from .engine_process import EngineProcess, free_port
+from .tts_audio import stream_text, synthesize
 
 SENTENCES = ["The first sentence is here.", "Then comes the second one."]
 # Ignoring conn_options would leave a stalled request to this client default: far past any wait
@@ -125,42 +126,6 @@ def _tts(urls, **kw) -> qwen3_tts.TTS:
     return qwen3_tts.TTS(base_url=urls, probe_interval=0.2, timeout=PATIENT_CLIENT, **kw)
 
 
-async def _stream_text(tts, pieces: list[str], *, conn_options=None, on_audio=None):
-    """Push text word by word like an LLM; collect the audio as int16."""
-    stream = tts.stream(**({"conn_options": conn_options} if conn_options else {}))
-    audio = []
-
-    async def feed():
-        for sentence in pieces:
-            for word in sentence.split(" "):
-                stream.push_text(word + " ")
-                await asyncio.sleep(0.005)
-        stream.end_input()
-
-    feeder = asyncio.create_task(feed())
-    try:
-        async for ev in stream:
-            pcm = np.frombuffer(bytes(ev.frame.data), dtype=np.int16)
-            if ev.is_final and len(pcm) == ev.frame.sample_rate // 100 and not pcm.any():
-                continue  # LiveKit's 10 ms end-of-segment marker after a slow-generation flush
-            audio.append(pcm)
-            if on_audio is not None:
-                await on_audio(sum(len(a) for a in audio))
-        await feeder
-    finally:
-        await stream.aclose()
-        feeder.cancel()
-    return stream, np.concatenate(audio) if audio else np.zeros(0, np.int16)
-
-
-async def _synthesize(tts, text: str, **kw) -> np.ndarray:
-    frames = [
-        np.frombuffer(bytes(ev.frame.data), dtype=np.int16)
-        async for ev in tts.synthesize(text, **kw)
-    ]
-    return np.concatenate(frames)
-
-
 async def _until(predicate, what: str) -> None:
     """Poll `predicate` until true or WAIT seconds (generous: a failure, not a slow pass)."""
     for _ in range(int(WAIT / 0.05)):
@@ -193,7 +158,7 @@ async def test_fault_fails_over_exactly_and_endpoint_comes_back(pair, fault):
     conn = APIConnectOptions(max_retry=0, timeout=1.0)
     try:
         stream, audio = await asyncio.wait_for(
-            _stream_text(tts, SENTENCES, conn_options=conn), WAIT
+            stream_text(tts, SENTENCES, conn_options=conn), WAIT
         )
         reports = stream.sentences
         assert [r.text for r in reports] == SENTENCES
@@ -217,12 +182,12 @@ async def test_fault_fails_over_exactly_and_endpoint_comes_back(pair, fault):
         assert not ep_x.healthy and ep_x.last_error
         # Down: not tried again (its probe keeps failing, /ready answers 503).
         n = len(x.seen)
-        await _synthesize(tts, "Spoken while x is down.", conn_options=conn)
+        await synthesize(tts, "Spoken while x is down.", conn_options=conn)
         assert len(x.seen) == n and y.inputs()[-1] == "Spoken while x is down."
         # Back: once /ready answers 200 the background probe restores it, and it serves again.
         x.fault, x.ready = None, True
         await _until(lambda: ep_x.healthy, "x probed back")
-        got = await _synthesize(tts, "Back on x now.", conn_options=conn)
+        got = await synthesize(tts, "Back on x now.", conn_options=conn)
         assert x.inputs()[-1] == "Back on x now." and len(x.seen) == n + 1
         np.testing.assert_array_equal(got, _pcm("Back on x now.", x.seen[-1]["seed"]))
     finally:
@@ -239,7 +204,7 @@ async def test_sentence_queued_behind_a_long_one_is_not_a_stall(pair):
     conn = APIConnectOptions(max_retry=0, timeout=1.0)
     try:
         stream, audio = await asyncio.wait_for(
-            _stream_text(tts, SENTENCES, conn_options=conn), WAIT
+            stream_text(tts, SENTENCES, conn_options=conn), WAIT
         )
         assert [r.endpoints for r in stream.sentences] == [[x.url]] * len(SENTENCES)
         assert x.inputs() == SENTENCES and tts.endpoints.endpoints[0].healthy
@@ -265,7 +230,7 @@ async def test_last_endpoint_fault_raises_the_livekit_error(pair, fault, error):
     try:
         with pytest.raises(error) as e:
             await asyncio.wait_for(
-                _synthesize(tts, "Nobody can say this.", conn_options=conn), WAIT
+                synthesize(tts, "Nobody can say this.", conn_options=conn), WAIT
             )
         if error is APIStatusError:
             assert e.value.status_code == int(fault) and e.value.retryable
@@ -287,7 +252,7 @@ async def test_fallback_adapter_moves_to_backup_within_conn_timeout(pair, fault)
     conn = APIConnectOptions(max_retry=0, timeout=0.5, retry_interval=0.0)
     try:
         _, audio = await asyncio.wait_for(
-            _stream_text(adapter, SENTENCES[:1], conn_options=conn), WAIT
+            stream_text(adapter, SENTENCES[:1], conn_options=conn), WAIT
         )
         assert x.inputs()[:1] == SENTENCES[:1] and y.inputs() == SENTENCES[:1]
         np.testing.assert_array_equal(audio, _pcm(SENTENCES[0], y.seen[0]["seed"]))
@@ -305,7 +270,7 @@ async def test_aclose_leaves_no_probe_task(pair):
     x.fault, x.ready, x.stall_ready = "503", False, True
     tts = _tts([x.url, y.url])
     before = asyncio.all_tasks()
-    await _synthesize(tts, "Goes to y after a 503 from x.")  # x is down: its probe loop runs
+    await synthesize(tts, "Goes to y after a 503 from x.")  # x is down: its probe loop runs
     tts.prewarm()
     probes = [t for t in asyncio.all_tasks() - before if t.get_name() == "qwen3-tts-endpoint-probe"]
     assert len(probes) == 2 and not any(t.done() for t in probes)
@@ -335,7 +300,7 @@ async def test_real_engine_killed_mid_sentence_without_seed(tiny_checkpoint):
                 killed.append(samples)
                 await asyncio.to_thread(a.kill)
 
-        stream, audio = await asyncio.wait_for(_stream_text(tts, SENTENCES, on_audio=kill_a), 300)
+        stream, audio = await asyncio.wait_for(stream_text(tts, SENTENCES, on_audio=kill_a), 300)
         reports = stream.sentences
         assert killed and reports[0].endpoints == [a.url, b.url] and reports[0].skipped_bytes > 0
         assert reports[-1].endpoints[-1] == b.url
@@ -346,7 +311,7 @@ async def test_real_engine_killed_mid_sentence_without_seed(tiny_checkpoint):
         for r in reports:
             uncut = _tts([b.url], max_new_tokens=frames, seed=r.seed)
             try:
-                reference.append(await _synthesize(uncut, r.text))
+                reference.append(await synthesize(uncut, r.text))
             finally:
                 await uncut.aclose()
         reference = np.concatenate(reference)
@@ -356,7 +321,7 @@ async def test_real_engine_killed_mid_sentence_without_seed(tiny_checkpoint):
         # The comparison means something only if another seed gives other audio.
         other = _tts([b.url], max_new_tokens=4, seed=seeds[0] + 1)
         try:
-            head = await _synthesize(other, reports[0].text)
+            head = await synthesize(other, reports[0].text)
         finally:
             await other.aclose()
         assert not np.array_equal(head, reference[: len(head)])

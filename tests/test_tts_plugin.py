@@ -14,6 +14,7 @@ from livekit.plugins import qwen3_tts
 from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES
 
 from .engine_process import EngineProcess, free_port
+from .tts_audio import stream_text, synthesize
 
 pytestmark = pytest.mark.slow
 FRAMES = 6  # a cap: checkpoints that never emit EOS give every sentence exactly 6
@@ -37,32 +38,6 @@ def _tts(urls, **kw) -> qwen3_tts.TTS:
     return qwen3_tts.TTS(base_url=urls, probe_interval=0.3, **kw)
 
 
-async def _stream_text(tts: qwen3_tts.TTS, pieces: list[str], *, on_audio=None):
-    """Push text like an LLM does (word by word), collect the audio as int16."""
-    stream = tts.stream()
-    audio = []
-
-    async def feed():
-        for sentence in pieces:
-            for word in sentence.split(" "):
-                stream.push_text(word + " ")
-                await asyncio.sleep(0.005)
-        stream.end_input()
-
-    feeder = asyncio.create_task(feed())
-    async for ev in stream:
-        audio.append(np.frombuffer(bytes(ev.frame.data), dtype=np.int16))
-        if on_audio is not None:
-            await on_audio(stream, sum(len(a) for a in audio))
-    await feeder
-    return stream, np.concatenate(audio) if audio else np.zeros(0, np.int16)
-
-
-async def _sentence_audio(tts: qwen3_tts.TTS, text: str) -> np.ndarray:
-    frames = [np.frombuffer(bytes(ev.frame.data), dtype=np.int16) async for ev in tts.synthesize(text)]
-    return np.concatenate(frames)
-
-
 async def test_three_sentences_stream_in_order_with_ttfb(engines):
     import httpx
 
@@ -71,7 +46,7 @@ async def test_three_sentences_stream_in_order_with_ttfb(engines):
     metrics = []
     tts.on("metrics_collected", metrics.append)
     try:
-        stream, audio = await _stream_text(tts, SENTENCES)
+        stream, audio = await stream_text(tts, SENTENCES)
         assert [s.text for s in stream.sentences] == SENTENCES
         # Each sentence is whole frames, ended by EOS at its own length, never by the cap.
         async with httpx.AsyncClient(base_url=a.url) as c:
@@ -82,7 +57,7 @@ async def test_three_sentences_stream_in_order_with_ttfb(engines):
         assert len(set(samples)) > 1, samples  # different sentences end at different frames
         assert len(audio) == sum(samples)  # no silence or marker frames between or after them
         # Text order = audio order: the stream equals the three sentences synthesized one by one.
-        reference = np.concatenate([await _sentence_audio(tts, s) for s in SENTENCES])
+        reference = np.concatenate([await synthesize(tts, s) for s in SENTENCES])
         assert audio.shape == reference.shape
         np.testing.assert_array_equal(audio, reference)
     finally:
@@ -118,63 +93,16 @@ async def test_closing_the_stream_cancels_server_work(engines):
     assert stats["frames"] <= 1 + 4 + 4 + 4, stats
 
 
-async def test_failover_mid_utterance_loses_and_repeats_nothing(tiny_checkpoint):
-    ckpt = tiny_checkpoint("custom_voice")
-    a, b = EngineProcess(ckpt).start(), EngineProcess(ckpt).start()
-    frames = 12
-    tts = _tts([a.url, b.url], max_new_tokens=frames)
-    try:
-        killed = {}
-
-        async def kill_a_mid_sentence(stream, samples):
-            if not killed and samples >= FRAME_SAMPLES:  # first sentence is playing, from a
-                killed["samples"] = samples
-                await asyncio.to_thread(a.kill)
-
-        stream, audio = await _stream_text(tts, SENTENCES, on_audio=kill_a_mid_sentence)
-        assert killed
-        reports = stream.sentences
-        assert [r.samples for r in reports] == [frames * FRAME_SAMPLES] * 3  # each heard once
-        assert reports[0].endpoints == [a.url, b.url] and reports[0].skipped_bytes > 0
-        # Sentence 2 may have been prefetched on a (queued behind sentence 1) before a died.
-        assert reports[1].endpoints in ([b.url], [a.url, b.url])
-        assert reports[2].endpoints == [b.url]
-        assert len(audio) == 3 * frames * FRAME_SAMPLES
-        # Same seed and checkpoint on both engines: the finished audio equals an uncut run.
-        reference = np.concatenate([await _sentence_audio(tts, s) for s in SENTENCES])
-        np.testing.assert_array_equal(audio, reference)
-
-        # a is not retried while down...
-        pool = tts.endpoints
-        ep_a = pool.endpoints[0]
-        assert not ep_a.healthy
-        before = ep_a.requests
-        await _sentence_audio(tts, "Still on b.")
-        assert ep_a.requests == before
-        # ...and is used again once it is back (same port).
-        a.start()
-        for _ in range(100):
-            if ep_a.healthy:
-                break
-            await asyncio.sleep(0.1)
-        assert ep_a.healthy
-        await _sentence_audio(tts, "Back on a.")
-        assert ep_a.requests == before + 1
-    finally:
-        await tts.aclose()
-        a.stop(), b.stop()
-
-
 async def test_errors_map_to_livekit_exceptions(engines):
     a, _ = engines
     tts = _tts([a.url], voice="nobody")
     with pytest.raises(APIStatusError) as e:
-        await _sentence_audio(tts, "Hello.")
+        await synthesize(tts, "Hello.")
     assert e.value.status_code == 400 and not e.value.retryable
     await tts.aclose()
     dead = _tts([f"http://127.0.0.1:{free_port()}"])
     with pytest.raises(APIConnectionError):
-        await _sentence_audio(dead, "Hello.")
+        await synthesize(dead, "Hello.")
     await dead.aclose()
 
 
@@ -203,7 +131,7 @@ async def test_vllm_omni_fields_sent_exactly():
         ref_audio=None, seed=3, temperature=0.5, variant="4bit",
     )  # fmt: skip
     try:
-        audio = await _sentence_audio(tts, "Hello from vLLM.")
+        audio = await synthesize(tts, "Hello from vLLM.")
     finally:
         await tts.aclose()
         await runner.cleanup()
