@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import uuid
 import wave
 from dataclasses import fields
@@ -64,6 +65,15 @@ def _processes_of(mark: str) -> list[psutil.Process]:
     return found
 
 
+def _none_left(mark: str, timeout: float = 30.0) -> list[psutil.Process]:
+    """The processes of `mark` still alive after up to `timeout` s (children of a stopped
+    service, e.g. multiprocessing's resource tracker, end a moment after their parent)."""
+    deadline = time.monotonic() + timeout
+    while (left := _processes_of(mark)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def _clear_error(p: subprocess.CompletedProcess, *words: str) -> str:
     out = f"exit {p.returncode}\n--- stdout\n{p.stdout}\n--- stderr\n{p.stderr}"
     assert p.returncode not in (0, None), out
@@ -78,7 +88,7 @@ def _clear_error(p: subprocess.CompletedProcess, *words: str) -> str:
 
 def _nothing_started(env: dict[str, str]) -> None:
     """No local service was started: no process of the run is left, none wrote its log."""
-    assert _processes_of(env[MARK]) == []
+    assert _none_left(env[MARK]) == []
     cache = Path(env["VOICE_AGENT_CACHE"])
     logs = sorted(p.name for p in cache.glob("*.log")) if cache.is_dir() else []
     assert logs == [], f"services were started: {logs}"
@@ -161,6 +171,6 @@ def test_a_failing_llm_stops_the_engine_started_before_it(tmp_path, make_env, ti
     cache = Path(env["VOICE_AGENT_CACHE"])
     _clear_error(p, "mlx_lm.server", "exited with code", str(cache / f"mlx-lm-server-{env['LLM_PORT']}.log"))
     assert (cache / f"tts-engine-{env['TTS_PORT']}.log").is_file()  # the engine did start
-    assert _processes_of(env[MARK]) == [], "a process of the run outlived it"
+    assert _none_left(env[MARK]) == [], "a process of the run outlived it"
     with socket.socket() as s:  # and its port is free again
         s.bind(("127.0.0.1", int(env["TTS_PORT"])))

@@ -251,8 +251,10 @@ async def test_call_through_a_livekit_server(livekit_server, tiny_checkpoint, tm
     print(f"voice-to-voice seen by the caller: {voice_to_voice:.3f}s")
     print(f"transcripts: {caller.transcripts}")
     record_property("voice_to_voice_s", round(voice_to_voice, 3))
+    # tiny.en on Opus-coded WebRTC audio: "What time is it right now?" comes back with "time" and
+    # most of its words, but not always with every one ("What's time...", "Watt time...").
     words = caller.user_transcript().lower()
-    assert "what" in words and "time" in words, caller.transcripts
+    assert "time" in words and len(words.split()) >= 3, caller.transcripts
     assert "noon" in caller.agent_transcript().lower(), caller.transcripts
     # the scripted LLM was asked for the tool, then answered with the tool's result
     assert any(m.get("role") == "tool" for m in llm.requests[-1]["messages"]), llm.requests

@@ -188,7 +188,7 @@ def test_loads_back_bit_exactly(checkpoint, model, name):
 
     # speech tokenizer: the PyTorch layout of the original repo, converted by sanitize
     raw = mx.load(str(root / "speech_tokenizer" / "model.safetensors"))
-    assert raw["decoder.decoder.4.block.4.conv2.conv.weight"].shape == (65, 65, 1)  # (out, in, k)
+    assert raw["decoder.decoder.2.block.4.conv2.conv.weight"].shape == (65, 65, 1)  # (out, in, k)
     assert raw["decoder.upsample.0.0.conv.weight"].shape == (64, 64, 2)  # (in, out, k)
     assert raw["encoder.encoder.layers.0.conv.weight"].shape == (8, 1, 7)
     assert "decoder.quantizer.rvq_first.vq.layers.0._codebook.embedding_sum" in raw

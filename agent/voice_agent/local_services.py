@@ -140,8 +140,6 @@ def _wait(url: str, proc: subprocess.Popen, what: str, timeout: float, log: Path
             last = f": {lines[-1].strip()}" if lines else ""
             raise RuntimeError(f"{what} exited with code {proc.returncode}{last} (log: {log})")
         time.sleep(0.25)
-    _kill_group(proc.pid, signal.SIGKILL)
-    proc.wait(15)
     raise TimeoutError(f"{what} did not answer {url} within {timeout:.0f}s (log: {log})")
 
 
@@ -201,7 +199,12 @@ def _spawn(cmd: list[str], log_name: str, ready_url: str, what: str, timeout: fl
     with open(log, "ab") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # fmt: skip
-    _wait(ready_url, proc, what, timeout, log)
+    try:
+        _wait(ready_url, proc, what, timeout, log)
+    except BaseException:  # not ready, Ctrl-C, SIGTERM: its own session would keep it running
+        _kill_group(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
     return proc
 
 

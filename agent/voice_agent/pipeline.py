@@ -11,7 +11,15 @@ import logging
 from collections.abc import AsyncIterable
 
 import httpx
-from livekit.agents import Agent, AgentSession, ModelSettings, function_tool, llm
+from livekit.agents import (
+    Agent,
+    AgentSession,
+    APIConnectOptions,
+    ModelSettings,
+    function_tool,
+    llm,
+)
+from livekit.agents.voice.agent_session import SessionConnectOptions
 
 from .settings import Settings
 
@@ -94,5 +102,8 @@ def build_session(settings: Settings, *, tts_url: str, llm_url: str, vad=None, s
             "preemptive_generation": {"enabled": False},
         },  # fmt: skip
         user_away_timeout=None,
+        # LiveKit's default TTS timeout (10 s) would count a busy shared engine's queue as a stall
+        conn_options=SessionConnectOptions(
+            tts_conn_options=APIConnectOptions(timeout=settings.tts_timeout)),
         **extra,
     )

@@ -74,6 +74,9 @@ class Settings(_EnvSettings):
     instructions: str = _f("AGENT_INSTRUCTIONS", "You are a helpful voice assistant. Answer in one "
                            "or two short spoken sentences, without markdown.", "system prompt")
     metrics_port: int = _f("METRICS_PORT", 0, "Prometheus/health port of the agent (0: off)")
+    tts_timeout: float = _f("TTS_TIMEOUT", 30.0, "seconds the agent waits for the TTS engine's "
+                            "response and then for each next chunk before it fails over or gives "
+                            "up (a shared engine's queue counts)")
     tts_queue_capacity: int = _f("TTS_QUEUE_CAPACITY", 4, "engine requests (waiting or in flight) "
                                  "at which the worker reports full load to LiveKit")
     agent_load_threshold: float = _f("AGENT_LOAD_THRESHOLD", 0.7, "load (0..1: the larger of CPU, "

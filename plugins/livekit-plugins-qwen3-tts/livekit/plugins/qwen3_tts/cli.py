@@ -337,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--eos", choices=["text", "never", "random"], default="text",
                    help="how utterances end: by EOS after about one frame per text token (text), "
-                        "only at --max-new-tokens (never), or when sampling picks EOS (random)")
+                        "only at --max-new-tokens (never), or when sampling picks EOS (random); "
+                        "in-context cloning (ref_audio + ref_text) ends at once with text")
     t.set_defaults(fn=cmd_tiny_checkpoint)
 
     s = sub.add_parser("serve", help="run the engine server")

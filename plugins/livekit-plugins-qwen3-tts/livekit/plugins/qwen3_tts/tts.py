@@ -249,11 +249,15 @@ class TTS(tts.TTS):
                                              headers=self._headers, timeout=timeout)  # fmt: skip
         r = await self._open(request, conn.timeout, ahead)
         try:
+            if r.status_code != 200:  # an error body is short; one that stalls is cut
+                try:
+                    async with asyncio.timeout(conn.timeout):
+                        await r.aread()
+                except TimeoutError:
+                    raise _Stalled(f"HTTP {r.status_code} with a body that stalled") from None
             if r.status_code >= 500:  # this engine is broken or busy; another may not be
-                await r.aread()
                 raise _EndpointUnavailable(r.status_code, r.text)
             if r.status_code != 200:
-                await r.aread()
                 raise APIStatusError(_error_message(r), status_code=r.status_code,
                                      request_id=r.headers.get("x-request-id"), body=r.text)  # fmt: skip
             report.variant = r.headers.get(HEADER_VARIANT)

@@ -333,7 +333,7 @@ class Handler:
             if not finished:
                 # The consumer went away (client disconnect, barge-in): stop the worker within
                 # one frame and wait for its acknowledgement so the next request starts clean.
-                await asyncio.shield(self._cancel(req_id))
+                await _uninterrupted(self._cancel(req_id))
 
     async def _cancel(self, req_id: str) -> None:
         try:
@@ -355,3 +355,19 @@ class Handler:
                 if self.last_stats:
                     self.history.append(self.last_stats)
                 return
+
+
+async def _uninterrupted(coro) -> None:
+    """Run `coro` to its end even if the caller is cancelled meanwhile (once or more often);
+    then re-raise the cancellation. The FIFO lock must not pass on before a cancel is
+    acknowledged, or the next request would read this one's last messages."""
+    task = asyncio.ensure_future(coro)
+    interrupted = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            interrupted = True
+    task.result()
+    if interrupted:
+        raise asyncio.CancelledError

@@ -495,8 +495,8 @@ def _check_round_trip(sanitized: dict, expected: dict, what: str, skip=()) -> No
 EOS_MODES = ("never", "random", "text")
 # Residual-stream dimensions that the "text" mode reserves (the last three of 64).
 _MARK, _COUNT, _SCORE = 61, 62, 63
-# Values chosen by measurement (tests/test_tiny_checkpoint.py): about one frame per text token
-# plus two, and an EOS logit that swings from about -60 to +60 around the crossing.
+# Values chosen by measurement (the eos tests in tests/test_engine_synthesis.py): about 1.3 frames
+# per text token plus four, and an EOS logit that swings from about -60 to +60 around the crossing.
 _MARK_VALUE, _COUNT_VALUE, _ALPHA, _THETA, _BETA = 8.0, 8.0, 4.0, 0.42, 64.0
 
 
@@ -511,6 +511,8 @@ def _text_length_eos(weights: dict, config: dict) -> None:
     head reads. EOS wins once the generated frames outweigh the text: deterministic for a given
     text and seed, and longer text ends later. Every edited row keeps at most two non-zero
     entries, so 8- and 4-bit quantization keeps the behaviour (zero is exact in MLX's grid).
+    Limitation: in-context cloning (a Base model given ref_audio and ref_text) puts the reference's
+    codes into the prefill, where they count as generated frames: EOS comes early or at once.
     """
     import mlx.core as mx
 

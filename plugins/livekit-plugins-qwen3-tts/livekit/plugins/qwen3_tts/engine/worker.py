@@ -6,9 +6,10 @@ process. Messages on the pipe (tuples):
                     ("taken", id, n_chunks), ("memory",), ("stop",)
   worker -> parent: ("ready", info), ("failed", message), ("chunk", id, pcm_s16le, frames,
                     compute_s), ("done", id, stats), ("error", id, kind, message), ("memory", dict)
-Flow control: the worker starts a chunk only when its consumer has taken all but
-CHUNKS_AHEAD of the chunks sent before ("taken" counts them). A consumer that pauses pauses the
-synthesis, and one that goes away leaves at most the chunk in progress behind.
+Flow control: a chunk counts as taken when the consumer asks for the next one ("taken" carries
+the count); the worker starts a chunk only while fewer than MAX_UNTAKEN chunks it sent are
+untaken. A consumer that pauses pauses the synthesis, and one that goes away leaves at most the
+chunk in progress behind. A stop that arrives while a synthesis waits ends it with an error.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import numpy as np
 from ..protocol import SpeechRequest
 
 WARMUP_TEXT = "Hello, this is a warm-up."
-# Chunks the worker may make before the consumer has taken them. One keeps the model busy as long
-# as the consumer keeps up (it asks for the next chunk while this one is made).
-CHUNKS_AHEAD = 1
+# One: the next chunk is made while the consumer handles this one (the server writes it to the
+# socket and asks for more within milliseconds), and nothing piles up when it stops asking.
+MAX_UNTAKEN = 1
 
 
 def _pcm16(audio: np.ndarray) -> bytes:
@@ -83,13 +84,15 @@ class _Pipe:
             hit = self._handle(self.conn.recv(), req_id) or hit
         return hit
 
-    def wait_taken(self, req_id: str, n: int) -> bool:
-        """Block until the consumer has taken `n` chunks of `req_id`; False when it cancelled
-        the request instead, or the worker is asked to stop."""
+    def wait_taken(self, req_id: str, n: int) -> str:
+        """Block until the consumer has taken `n` chunks of `req_id`: "taken"; or "cancelled"
+        when it cancelled the request instead, "stopping" when the worker is asked to stop."""
         while self.taken.get(req_id, 0) < n:
-            if self.stop_requested or self._handle(self.conn.recv(), req_id):
-                return False
-        return True
+            if self.stop_requested:
+                return "stopping"
+            if self._handle(self.conn.recv(), req_id):
+                return "cancelled"
+        return "taken"
 
 
 def _synthesize(model, conn: Connection, pipe: _Pipe, req_id: str, body: dict, ref: bytes | None):
@@ -113,7 +116,14 @@ def _synthesize(model, conn: Connection, pipe: _Pipe, req_id: str, body: dict, r
         ), start=1):  # fmt: skip
             conn.send(("chunk", req_id, _pcm16(chunk.audio), chunk.frames, chunk.compute_s))
             compute.append(round(chunk.compute_s, 4))
-            if should_stop() or not pipe.wait_taken(req_id, sent + 1 - CHUNKS_AHEAD):
+            if should_stop():
+                stats.cancelled = True
+                break
+            waited = pipe.wait_taken(req_id, sent + 1 - MAX_UNTAKEN)
+            if waited == "stopping":  # cut short, and not by the client: an error, not "done"
+                conn.send(("error", req_id, "internal", "the TTS worker is stopping"))
+                return
+            if waited == "cancelled":
                 stats.cancelled = True
                 break
     except SynthesisError as e:
