@@ -33,4 +33,7 @@ if grep -iE '^(torch|torchaudio|torchvision|silero-vad)[[:space:]]' <<<"$package
 fi
 
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest "$@"
+# Two pytest workers (pytest-xdist), one test file at a time each: most tests wait on a server or
+# run single-threaded mlx code, so two files side by side use the 2 cores that CI has.
+# PYTEST_WORKERS=0 runs everything in one process.
+exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
