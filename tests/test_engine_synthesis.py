@@ -186,12 +186,12 @@ def test_eos_stream_has_a_short_last_chunk_and_no_seams(eos_model):
 
 
 def test_eos_sentences_each_end_and_chunks_span_the_boundaries(eos_model):
-    text = "The first sentence is right here. And a second one ends the paragraph."
+    text = "Good morning to you all. See you again soon."
     stats = SynthesisStats()
     chunks = list(stream_chunks(eos_model, _req(input=text), stats=stats, keep_codes=True))
     assert stats.sentences == 2 and not stats.hit_token_cap
     # Each sentence ended by EOS on its own (the second alone ends at about the same frame).
-    first = _frames_until_eos(eos_model, "The first sentence is right here.")
+    first = _frames_until_eos(eos_model, "Good morning to you all.")
     assert first.frames < stats.frames
     assert [c.frames for c in chunks][:-1] == [4] * (len(chunks) - 1)
     assert sum(c.frames for c in chunks) == stats.frames
