@@ -25,8 +25,6 @@ from .handler import Handler, Result
 from .server import Engine, EngineServer, ServerConfig
 
 TEXT = "Streaming speech, four frames at a time, as fast as the machine allows."
-FRAMES = 8  # default: two 4-frame chunks per request, first audio and one steady-state chunk
-CLIENTS = (1, 2, 4)  # default concurrency levels
 
 
 def _pct(values: list[float], q: float) -> float:
