@@ -32,6 +32,6 @@ fi
 # uv sync --frozen installs exactly uv.lock; it is a no-op when .venv already matches.
 "$TOOLS/bin/uv" sync --frozen --quiet --python "$PYTHON"
 
-# mlx-cpu links the reference BLAS; Debian's OpenBLAS is ~10x faster for fp32 GEMM (NOTES.md).
+# mlx-cpu links the reference BLAS; Debian's OpenBLAS is ~10x faster for fp32 GEMM (docs/mlx-on-linux.md).
 OPENBLAS=$(ls /usr/lib/*/libopenblas.so.0 /usr/lib/*/openblas-pthread/libopenblas.so.0 2>/dev/null | head -1 || true)
 printf 'export LD_PRELOAD=%s\n' "$OPENBLAS" > .venv/openblas.env

@@ -33,6 +33,9 @@ if grep -iE '^(torch|torchaudio|torchvision|silero-vad)[[:space:]]' <<<"$package
 fi
 
 .venv/bin/ruff check .
+# Import contracts (pyproject.toml [tool.importlinter]): the engine never imports LiveKit, its
+# layers point one way, the agent uses its public API only.
+.venv/bin/lint-imports
 # Two pytest workers (pytest-xdist), one test file at a time each: most tests wait on a server or
 # run single-threaded mlx code, so two files side by side use the 2 cores that CI has.
 # PYTEST_WORKERS=0 runs everything in one process.

@@ -27,7 +27,7 @@ def _isolated_engine_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """Factory: tiny_checkpoint(variant="custom_voice", bits=None, seed=0, **kw) -> Path."""
-    from livekit.plugins.qwen3_tts.engine.tiny_checkpoint import write_tiny_checkpoint
+    from qwen3_tts_engine.testing.tiny_checkpoint import write_tiny_checkpoint
 
     built: dict[tuple, Path] = {}
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from livekit.plugins.qwen3_tts.engine.handler import Handler
-from livekit.plugins.qwen3_tts.engine.server import Engine, EngineServer, ServerConfig
+from qwen3_tts_engine.runtime.engine import Engine
+from qwen3_tts_engine.runtime.handler import Handler
+from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 from voice_agent.demo import load_turn_audio, run_turns
 from voice_agent.local_services import ensure_llm
 from voice_agent.pipeline import APOLOGY, VoiceAgent

@@ -1,4 +1,4 @@
-"""Smoke runs of the three benchmark commands as a user runs them (real subprocesses, tiny
+"""Smoke runs of the four benchmark commands as a user runs them (real subprocesses, tiny
 checkpoints, offline assets), with their smallest settings: the JSON has the fields the README
 documents and the measured numbers are positive. Speed numbers are not checked.
 
@@ -68,6 +68,16 @@ def test_qwen3_tts_bench(tiny_checkpoint, tmp_path):
     assert report["frames_per_request"] == 4 and set(conc) == {"1", "2"}
     for clients, s in conc.items():
         _summary(s, f"concurrency {clients}", n=int(clients))
+
+
+def test_qwen3_tts_bench_spawn(tiny_checkpoint):
+    model = str(tiny_checkpoint("custom_voice"))
+    report = _run("qwen3-tts", "bench", "spawn", "--model", model, "--repeats", "1")
+    assert report["model"] == model and report["repeats"] == 1
+    _positive(report["spawn_to_ready_minus_load_s"]["median"], "spawn_to_ready_minus_load_s")
+    _positive(report["worker_import_s"], "worker_import_s")
+    assert report["worker_import_modules"] > 50  # numpy and the engine modules at least
+    assert report["worker_imports_livekit"] is False
 
 
 def test_qwen3_tts_bench_swap(tiny_checkpoint, tmp_path):

@@ -2,7 +2,7 @@
 unspeakable input, bearer auth on every /v1 route and the body limit (real HTTP on 127.0.0.1),
 the quantize-on-load cache when weights change in place, and cloning from reference audio.
 
-mlx runs on pytest's main thread for the in-process checks (safe, see NOTES.md).
+mlx runs on pytest's main thread for the in-process checks (safe, see docs/mlx-on-linux.md).
 """
 
 from __future__ import annotations
@@ -17,19 +17,20 @@ import httpx
 import numpy as np
 import pytest
 
-from livekit.plugins.qwen3_tts.engine.handler import Handler
-from livekit.plugins.qwen3_tts.engine.loading import (
+from qwen3_tts_engine.models.loading import (
     apply_recipe,
     load,
     load_full_precision,
     quantized_modules,
 )
-from livekit.plugins.qwen3_tts.engine.server import Engine, EngineServer, ServerConfig
-from livekit.plugins.qwen3_tts.engine.synthesis import stream_chunks
-from livekit.plugins.qwen3_tts.engine.tiny_checkpoint import write_tiny_checkpoint
-from livekit.plugins.qwen3_tts.engine.variants import resolve
-from livekit.plugins.qwen3_tts.engine.worker import _load_ref_audio
-from livekit.plugins.qwen3_tts.protocol import RequestError, SpeechRequest, parse_speech_request
+from qwen3_tts_engine.models.variants import resolve
+from qwen3_tts_engine.protocol import RequestError, SpeechRequest, parse_speech_request
+from qwen3_tts_engine.runtime.engine import Engine
+from qwen3_tts_engine.runtime.handler import Handler
+from qwen3_tts_engine.runtime.synthesis import stream_chunks
+from qwen3_tts_engine.runtime.worker import _load_ref_audio
+from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
+from qwen3_tts_engine.testing.tiny_checkpoint import write_tiny_checkpoint
 
 API_KEY = "claims-key-456"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

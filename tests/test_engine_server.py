@@ -13,14 +13,15 @@ import wave
 import httpx
 import pytest
 
-from livekit.plugins.qwen3_tts.engine.handler import Handler
-from livekit.plugins.qwen3_tts.engine.server import Engine, EngineServer, ServerConfig
-from livekit.plugins.qwen3_tts.protocol import (
+from qwen3_tts_engine.protocol import (
     FRAME_SAMPLES,
     HEADER_VARIANT,
     Limits,
     parse_speech_request,
 )
+from qwen3_tts_engine.runtime.engine import Engine
+from qwen3_tts_engine.runtime.handler import Handler
+from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
 pytestmark = pytest.mark.slow
 API_KEY = "test-key-123"

@@ -1,6 +1,6 @@
 """4-token streaming on a tiny checkpoint: chunk sizes, first-chunk option, no seams, cancel.
 
-mlx runs on pytest's main thread here (safe, see NOTES.md); handlers get their own processes.
+mlx runs on pytest's main thread here (safe, see docs/mlx-on-linux.md); handlers get their own processes.
 """
 
 from pathlib import Path
@@ -8,15 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from livekit.plugins.qwen3_tts.engine.loading import load
-from livekit.plugins.qwen3_tts.engine.synthesis import (
+from qwen3_tts_engine.models.loading import load
+from qwen3_tts_engine.models.variants import resolve
+from qwen3_tts_engine.protocol import FRAME_SAMPLES, SpeechRequest, default_max_new_tokens
+from qwen3_tts_engine.runtime.synthesis import (
     SynthesisError,
     SynthesisStats,
     one_shot_decode,
     stream_chunks,
 )
-from livekit.plugins.qwen3_tts.engine.variants import resolve
-from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES, SpeechRequest, default_max_new_tokens
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from livekit.plugins.qwen3_tts.engine.memory import cgroup_dirs, parse_limit
-from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES, HEADER_VARIANT
+from qwen3_tts_engine.governor.memory import cgroup_dirs, parse_limit
+from qwen3_tts_engine.protocol import FRAME_SAMPLES, HEADER_VARIANT
 
 from .engine_process import free_port
 
@@ -110,8 +110,8 @@ def _stop(proc: subprocess.Popen | None) -> None:
 
 
 def test_real_memory_pressure_makes_the_engine_step_down(tiny_checkpoint):
-    from livekit.plugins.qwen3_tts.engine.loading import prepare
-    from livekit.plugins.qwen3_tts.engine.variants import resolve
+    from qwen3_tts_engine.models.loading import prepare
+    from qwen3_tts_engine.models.variants import resolve
 
     cg = Cgroup.create(LIMIT)
     # Wide talker MLPs: 25 MB of bf16 weights that 4-bit quantization shrinks to 7 MB.

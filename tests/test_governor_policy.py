@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from livekit.plugins.qwen3_tts.engine.memory import MemoryReading
-from livekit.plugins.qwen3_tts.engine.policy import (
+from qwen3_tts_engine.governor.memory import MemoryReading
+from qwen3_tts_engine.governor.policy import (
     BREAK_BEFORE_MAKE,
     MAKE_BEFORE_BREAK,
     Policy,
@@ -185,8 +185,8 @@ def test_a_downgrade_that_relieves_the_pressure_is_not_undone():
 
 
 def test_weight_bytes_follow_the_recipe():
-    from livekit.plugins.qwen3_tts.engine.footprint import estimate_weight_bytes
-    from livekit.plugins.qwen3_tts.engine.recipes import get_recipe
+    from qwen3_tts_engine.models.footprint import estimate_weight_bytes
+    from qwen3_tts_engine.models.recipes import get_recipe
 
     tensors = {
         "talker.model.layers.0.mlp.gate_proj.weight": ((128, 64), "BF16"),  # quantizable
@@ -201,7 +201,7 @@ def test_weight_bytes_follow_the_recipe():
 
 
 def test_footprints_prefer_measurements_and_estimate_from_them():
-    from livekit.plugins.qwen3_tts.engine.footprint import Footprints
+    from qwen3_tts_engine.models.footprint import Footprints
 
     fp = Footprints({"bf16": 300, "8bit": 160, "4bit": 90})
     assert fp.get("bf16") is None  # nothing measured yet
@@ -214,7 +214,7 @@ def test_footprints_prefer_measurements_and_estimate_from_them():
 
 
 def test_checkpoint_weight_bytes_from_safetensors_headers(tiny_checkpoint):
-    from livekit.plugins.qwen3_tts.engine.footprint import checkpoint_weight_bytes
+    from qwen3_tts_engine.models.footprint import checkpoint_weight_bytes
 
     sizes = checkpoint_weight_bytes(tiny_checkpoint("custom_voice"), ["bf16", "8bit", "4bit"])
     assert sizes["bf16"] > sizes["8bit"] > sizes["4bit"] > 0

@@ -10,18 +10,19 @@ import time
 import httpx
 import pytest
 
-from livekit.plugins.qwen3_tts.cli import main as cli_main
-from livekit.plugins.qwen3_tts.engine.governor import Governor
-from livekit.plugins.qwen3_tts.engine.handler import Handler, Result
-from livekit.plugins.qwen3_tts.engine.memory import ManualProbe
-from livekit.plugins.qwen3_tts.engine.policy import BREAK_BEFORE_MAKE, MAKE_BEFORE_BREAK, Policy
-from livekit.plugins.qwen3_tts.engine.server import Engine, EngineServer, ServerConfig
-from livekit.plugins.qwen3_tts.protocol import (
+from qwen3_tts_engine.cli import main as cli_main
+from qwen3_tts_engine.governor.governor import Governor
+from qwen3_tts_engine.governor.memory import ManualProbe
+from qwen3_tts_engine.governor.policy import BREAK_BEFORE_MAKE, MAKE_BEFORE_BREAK, Policy
+from qwen3_tts_engine.protocol import (
     FRAME_SAMPLES,
     HEADER_VARIANT,
     Limits,
     parse_speech_request,
 )
+from qwen3_tts_engine.runtime.engine import Engine
+from qwen3_tts_engine.runtime.handler import Handler, Result
+from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
 pytestmark = pytest.mark.slow
 API_KEY = "governor-key"
@@ -213,7 +214,7 @@ async def test_operator_override_http_and_cli(tight, caplog):
         try:
             speaking = Stream(c, {**body(400), "seed": 5})
             await speaking.first.wait()
-            with caplog.at_level(logging.INFO, logger="livekit.plugins.qwen3_tts"):
+            with caplog.at_level(logging.INFO, logger="qwen3_tts_engine"):
                 r = await c.post("/v1/engine/variant", headers=AUTH,
                                  json={"variant": "4bit", "mode": "make-before-break"})  # fmt: skip
                 assert r.status_code == 200, r.text

@@ -93,7 +93,7 @@ def compose_bytes(q: str | int) -> int:
 
 def serve_args(command: list[str]):
     """The `qwen3-tts serve` command line, parsed by the CLI's own parser."""
-    from livekit.plugins.qwen3_tts.cli import build_parser
+    from qwen3_tts_engine.cli import build_parser
 
     assert command[:2] == ["qwen3-tts", "serve"], command
     try:
@@ -103,7 +103,7 @@ def serve_args(command: list[str]):
 
 
 def policy_for(args):
-    from livekit.plugins.qwen3_tts.cli import _policy
+    from qwen3_tts_engine.cli import _policy
 
     return _policy(args)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from livekit.plugins.qwen3_tts.engine.memory import (
+from qwen3_tts_engine.governor.memory import (
     CgroupProbe,
     MacOSProbe,
     ManualProbe,

@@ -4,14 +4,14 @@ import base64
 
 import pytest
 
-from livekit.plugins.qwen3_tts.engine.ref_audio import resolve_ref_audio
-from livekit.plugins.qwen3_tts.protocol import (
+from qwen3_tts_engine.protocol import (
     Limits,
     RequestError,
     default_max_new_tokens,
     normalize_language,
     parse_speech_request,
 )
+from qwen3_tts_engine.runtime.ref_audio import resolve_ref_audio
 
 WAV_HEADER = b"RIFF\x24\x00\x00\x00WAVEfmt "
 

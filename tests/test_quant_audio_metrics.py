@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from livekit.plugins.qwen3_tts.engine.quality import audio_metrics as am
+from qwen3_tts_engine.quant import audio_metrics as am
 
 RATE = 24000  # Qwen3-TTS's output rate: the Whisper/Silero tests go through resampling
 SENTENCE = "Please send the report to Alice before Friday afternoon"

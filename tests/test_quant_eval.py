@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from livekit.plugins.qwen3_tts.engine.quality.candidates import Candidate, build, load_dir
-from livekit.plugins.qwen3_tts.engine.quality.components import COMPONENTS, component_paths, only
-from livekit.plugins.qwen3_tts.engine.quality.evaluate import EvalSettings, Reference, evaluate
-from livekit.plugins.qwen3_tts.engine.quality.forced import _allowed_cb0, teacher_forced
-from livekit.plugins.qwen3_tts.engine.quality.free_running import generate_codes
-from livekit.plugins.qwen3_tts.engine.recipes import RECIPES, load_recipe
-from livekit.plugins.qwen3_tts.protocol import SpeechRequest
+from qwen3_tts_engine.models.components import COMPONENTS, component_paths, only
+from qwen3_tts_engine.models.recipes import RECIPES, load_recipe
+from qwen3_tts_engine.protocol import SpeechRequest
+from qwen3_tts_engine.quant.candidates import Candidate, build, load_dir
+from qwen3_tts_engine.quant.evaluate import EvalSettings, Reference, evaluate
+from qwen3_tts_engine.quant.forced import _allowed_cb0, teacher_forced
+from qwen3_tts_engine.quant.free_running import generate_codes
 
 TEXTS = EvalSettings().texts
 SMALL = dict(texts=TEXTS[:3], seeds=(0,), max_new_tokens=12, language="english", n_boot=300)
@@ -90,7 +90,7 @@ def _corrupt(src: Path, dst: Path, component: str) -> Path:
 
 @pytest.mark.parametrize("component", ["talker-attention", "code-predictor"])
 def test_ablation_ranks_the_corrupted_component_first(tiny_checkpoint, tmp_path, component):
-    from livekit.plugins.qwen3_tts.engine.quality.ablate import ablate
+    from qwen3_tts_engine.quant.ablate import ablate
 
     src = tiny_checkpoint()
     donor = _corrupt(src, tmp_path / "corrupted", component)
@@ -126,7 +126,7 @@ def test_gptq_lowers_code_predictor_kl_versus_round_to_nearest(tiny_checkpoint):
 
 
 def test_quantize_cli_with_a_yaml_recipe_and_gptq_loads_and_streams(tiny_checkpoint, tmp_path):
-    from livekit.plugins.qwen3_tts.engine.synthesis import stream_chunks
+    from qwen3_tts_engine.runtime.synthesis import stream_chunks
 
     recipe = tmp_path / "mixed.yaml"
     recipe.write_text(
@@ -272,7 +272,7 @@ def test_decoder_metrics_see_a_changed_vocoder(tiny_checkpoint):
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
 
-    from livekit.plugins.qwen3_tts.engine.quality.evaluate import audio_metrics, same_decoder
+    from qwen3_tts_engine.quant.evaluate import audio_metrics, same_decoder
 
     settings = EvalSettings(texts=TEXTS[:1], seeds=(0,), max_new_tokens=4, language="english", audio_items=1)
     ref = Reference(tiny_checkpoint(), settings, progress=print)
@@ -325,7 +325,7 @@ def test_free_running_metrics_catch_a_candidate_that_never_stops(tiny_checkpoint
 
 
 def test_run_comparisons():
-    from livekit.plugins.qwen3_tts.engine.quality.free_running import compare_runs, first_divergence
+    from qwen3_tts_engine.quant.free_running import compare_runs, first_divergence
 
     a = np.arange(10 * 16).reshape(10, 16)
     b = a.copy()
@@ -338,7 +338,7 @@ def test_run_comparisons():
 
 
 def test_voice_design_checkpoints_are_evaluated_with_instructions(tiny_checkpoint):
-    from livekit.plugins.qwen3_tts.engine.synthesis import SynthesisError
+    from qwen3_tts_engine.runtime.synthesis import SynthesisError
 
     model = tiny_checkpoint("voice_design")
     settings = EvalSettings(texts=TEXTS[:1], seeds=(0,), max_new_tokens=4, n_boot=100)

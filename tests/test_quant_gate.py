@@ -7,15 +7,16 @@ from dataclasses import replace
 import httpx
 import pytest
 
-from livekit.plugins.qwen3_tts.engine.governor import Governor
-from livekit.plugins.qwen3_tts.engine.handler import Handler
-from livekit.plugins.qwen3_tts.engine.memory import ManualProbe
-from livekit.plugins.qwen3_tts.engine.policy import Policy
-from livekit.plugins.qwen3_tts.engine.quality import gate
-from livekit.plugins.qwen3_tts.engine.quality.candidates import Candidate
-from livekit.plugins.qwen3_tts.engine.quality.evaluate import EvalSettings, evaluate
-from livekit.plugins.qwen3_tts.engine.recipes import RECIPES
-from livekit.plugins.qwen3_tts.engine.server import Engine, EngineServer, ServerConfig
+from qwen3_tts_engine.governor import gate
+from qwen3_tts_engine.governor.governor import Governor
+from qwen3_tts_engine.governor.memory import ManualProbe
+from qwen3_tts_engine.governor.policy import Policy
+from qwen3_tts_engine.models.recipes import RECIPES
+from qwen3_tts_engine.quant.candidates import Candidate
+from qwen3_tts_engine.quant.evaluate import EvalSettings, evaluate
+from qwen3_tts_engine.runtime.engine import Engine
+from qwen3_tts_engine.runtime.handler import Handler
+from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
 pytestmark = pytest.mark.slow
 LADDER = ("bf16", "8bit", "6bit", "4bit")

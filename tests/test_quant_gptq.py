@@ -6,7 +6,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from livekit.plugins.qwen3_tts.engine.quality.gptq import (
+from qwen3_tts_engine.quant.gptq import (
     HessianRecorder,
     apply_gptq,
     attach_recorders,

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from livekit.plugins.qwen3_tts.engine.quality.components import (
+from qwen3_tts_engine.models.components import (
     COMPONENTS,
     all_but,
     only,
     protect,
     rule,
 )
-from livekit.plugins.qwen3_tts.engine.recipes import (
+from qwen3_tts_engine.models.recipes import (
     RECIPES,
     load_recipe,
     quantization_plan,

@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from livekit.plugins.qwen3_tts.engine.quality.report import (
+from qwen3_tts_engine.quant.report import (
     METRICS,
     SCHEMA,
     evaluate_budget,
     markdown_table,
     write_report,
 )
-from livekit.plugins.qwen3_tts.engine.quality.stats import bootstrap_ci, paired_bootstrap
+from qwen3_tts_engine.quant.stats import bootstrap_ci, paired_bootstrap
 
 
 def width(r: dict) -> float:

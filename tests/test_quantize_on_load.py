@@ -6,10 +6,10 @@ from pathlib import Path
 import mlx.nn as nn
 import pytest
 
-from livekit.plugins.qwen3_tts.engine.loading import load, quantized_modules
-from livekit.plugins.qwen3_tts.engine.synthesis import stream_chunks
-from livekit.plugins.qwen3_tts.engine.variants import resolve
-from livekit.plugins.qwen3_tts.protocol import SpeechRequest
+from qwen3_tts_engine.models.loading import load, quantized_modules
+from qwen3_tts_engine.models.variants import resolve
+from qwen3_tts_engine.protocol import SpeechRequest
+from qwen3_tts_engine.runtime.synthesis import stream_chunks
 
 LAYERS = 8  # talker layers; talker-mlp-w4 then covers layers 2..N-5 = 2..3
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from livekit.plugins.qwen3_tts.engine.recipes import RECIPES, get_recipe, quantization_plan
-from livekit.plugins.qwen3_tts.engine.variants import resolve, resolve_model
+from qwen3_tts_engine.models.recipes import RECIPES, get_recipe, quantization_plan
+from qwen3_tts_engine.models.variants import resolve, resolve_model
 
 MC = "mlx-community/Qwen3-TTS-12Hz-0.6B-CustomVoice"
 

@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import asdict
 
 import httpx
 import pytest
 
+from qwen3_tts_engine.governor.policy import Policy
 from voice_agent.worker import EnginePoller, engine_load, worker_load
 
 from .engine_process import EngineProcess, free_port
 
 
 def _status(*depths: int, pressure: float | None = None, **policy) -> dict:
+    """A status body as the engine sends it: with a governor, its whole policy is there."""
     handlers = [{"name": f"h{i}", "queue_depth": d} for i, d in enumerate(depths)]
     governor = None
     if pressure is not None:
-        governor = {"pressure": {"source": "manual", "pressure": pressure}, "policy": policy}
+        governor = {"pressure": {"source": "manual", "pressure": pressure},
+                    "policy": {**asdict(Policy()), **policy}}  # fmt: skip
     return {"handlers": handlers, "governor": governor}
 
 

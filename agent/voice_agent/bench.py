@@ -68,14 +68,13 @@ async def _llm_busy(llm_url: str, model: str, stop: asyncio.Event) -> int:
 
 
 async def _bench(settings: Settings, turns: int, tts_requests: int) -> dict:
-    from livekit.plugins.qwen3_tts.engine.handler import Handler
-    from livekit.plugins.qwen3_tts.engine.server import Engine, EngineServer, ServerConfig
+    from qwen3_tts_engine import Engine, EngineServer, Handler, ServerConfig
 
     from .local_services import RANDOM_TTS, hub_model_available
 
     model, notes = settings.tts_model, []
     if not hub_model_available(model, settings.offline):
-        from livekit.plugins.qwen3_tts.cli import default_tiny_checkpoint
+        from qwen3_tts_engine import default_tiny_checkpoint
 
         model, notes = str(default_tiny_checkpoint()), [RANDOM_TTS]
     engine = EngineServer(Engine(model, [Handler(model, settings.tts_variant)]), ServerConfig(port=0))

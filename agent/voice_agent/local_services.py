@@ -221,7 +221,7 @@ def ensure_tts_engine(settings: Settings, *, timeout: float = 900.0) -> LocalSer
         model, notes = settings.tts_model, ()
         variant = settings.tts_variant
         if not hub_model_available(model, settings.offline):
-            from livekit.plugins.qwen3_tts.cli import default_tiny_checkpoint
+            from qwen3_tts_engine import default_tiny_checkpoint
 
             model, variant, notes = str(default_tiny_checkpoint()), None, (RANDOM_TTS,)
             logger.warning("offline and %s is not on disk: %s", settings.tts_model, RANDOM_TTS)

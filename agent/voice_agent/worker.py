@@ -20,6 +20,8 @@ import httpx
 from livekit.agents import AgentServer, JobContext, JobProcess, cli
 from livekit.agents.worker import _DefaultLoadCalc
 
+from livekit.plugins.qwen3_tts import EngineLoad
+
 from .local_services import LocalService, ensure_llm, ensure_tts_engine, resolve_offline
 from .observability import TurnMetrics
 from .pipeline import VoiceAgent, build_session, build_stt
@@ -38,18 +40,8 @@ def engine_load(status: Mapping | None, capacity: int) -> float:
     comfortable), 1 at `critical_at`, linear between, so a 0.7 threshold falls near `downgrade_at`,
     where the engine itself starts stepping down its precision ladder.
     """
-    if not status:
-        return 0.0
-    depth = sum(int(h.get("queue_depth") or 0) for h in status.get("handlers") or [])
-    load = depth / max(1, capacity)
-    governor = status.get("governor") or {}
-    reading = governor.get("pressure") or {}
-    if reading.get("pressure") is not None:
-        policy = governor.get("policy") or {}
-        low, high = float(policy.get("upgrade_at", 0.65)), float(policy.get("critical_at", 0.95))
-        memory = (float(reading["pressure"]) - low) / max(1e-6, high - low)
-        load = max(load, memory)
-    return min(1.0, max(0.0, load))
+    load = EngineLoad.from_status(status)
+    return min(1.0, max(0.0, load.queue_depth / max(1, capacity), load.memory_load()))
 
 
 def worker_load(cpu: float, status: Mapping | None, capacity: int, *, stale: bool = False) -> float:

@@ -3,7 +3,8 @@
 #   docker build -f infra/docker/agent.Dockerfile --target tts-engine -t qwen3-tts-engine .
 # Both install exactly uv.lock (`uv sync --frozen`), with the uv version scripts/bootstrap.sh pins.
 # tests/test_infra.py checks that every file copied here exists and that the package names are
-# workspace members (no docker engine runs in the tests).
+# workspace members, and plans the engine image's install from only what its stage copies (no
+# docker engine runs in the tests).
 
 FROM python:3.11-slim AS base
 ENV PYTHONUNBUFFERED=1 \
@@ -13,18 +14,22 @@ ENV PYTHONUNBUFFERED=1 \
     PATH=/app/.venv/bin:$PATH
 RUN pip install --no-cache-dir uv==0.13.9
 WORKDIR /app
-# The workspace: root project, lock file and the three members (sources included: they are
-# installed into the environment as workspace packages).
+# The workspace: root project, lock file and every member's manifest (uv reads the workspace
+# from them); each image then copies the sources of the members it installs.
 COPY pyproject.toml uv.lock ./
-COPY agent/ agent/
-COPY plugins/livekit-plugins-qwen3-tts/ plugins/livekit-plugins-qwen3-tts/
-COPY plugins/livekit-plugins-faster-whisper/ plugins/livekit-plugins-faster-whisper/
+COPY agent/pyproject.toml agent/
+COPY engine/pyproject.toml engine/
+COPY plugins/livekit-plugins-qwen3-tts/pyproject.toml plugins/livekit-plugins-qwen3-tts/
+COPY plugins/livekit-plugins-faster-whisper/pyproject.toml plugins/livekit-plugins-faster-whisper/
 
 # -- the LiveKit agent worker ------------------------------------------------------------------
 # Only voice-agent and its dependencies (no `local` extra: no mlx, no mlx-lm); the TTS engine and
 # the LLM are other services (TTS_URL, LLM_BASE_URL). libportaudio2 is not installed: it is only
 # needed by `voice-agent console` (a local microphone), never in a container.
 FROM base AS agent
+COPY agent/ agent/
+COPY plugins/livekit-plugins-qwen3-tts/ plugins/livekit-plugins-qwen3-tts/
+COPY plugins/livekit-plugins-faster-whisper/ plugins/livekit-plugins-faster-whisper/
 RUN uv sync --frozen --no-dev --package voice-agent
 # LiveKit's health endpoint (GET / on 8081 in `start` mode); METRICS_PORT for Prometheus if set.
 EXPOSE 8081
@@ -44,7 +49,9 @@ RUN apt-get update \
     && ln -s "$(ls /usr/lib/*/libopenblas.so.0 /usr/lib/*/openblas-pthread/libopenblas.so.0 2>/dev/null | head -1)" \
        /usr/local/lib/libopenblas-preload.so.0
 ENV LD_PRELOAD=/usr/local/lib/libopenblas-preload.so.0
-RUN uv sync --frozen --no-dev --package livekit-plugins-qwen3-tts --extra mlx
+# The engine package alone: no LiveKit, no agent (tests/test_engine_package.py plans this install).
+COPY engine/ engine/
+RUN uv sync --frozen --no-dev --package qwen3-tts-engine
 EXPOSE 8880
 STOPSIGNAL SIGTERM
 CMD ["qwen3-tts", "serve", "--host", "0.0.0.0", "--port", "8880"]

@@ -1,14 +1,14 @@
 """Qwen3-TTS plugin for LiveKit Agents.
 
-`TTS` is the streaming client (httpx; no mlx needed). The engine side — handlers, quantized
-variants, the engine server — lives in `livekit.plugins.qwen3_tts.engine` (extra `[mlx]`).
+`TTS` is a streaming client (httpx; no mlx) of a Qwen3-TTS engine server: `qwen3-tts serve`
+from the `qwen3-tts-engine` package, or vLLM-Omni (`protocol="vllm-omni"`).
 """
 
-from .protocol import SAMPLE_RATE, SpeechRequest
+from .protocol import SAMPLE_RATE, EngineLoad
 from .tts import TTS, ChunkedStream, SentenceReport, SynthesizeStream
 from .version import __version__
 
-__all__ = ["TTS", "ChunkedStream", "SynthesizeStream", "SentenceReport", "SpeechRequest",
+__all__ = ["TTS", "ChunkedStream", "SynthesizeStream", "SentenceReport", "EngineLoad",
            "SAMPLE_RATE", "__version__"]
 
 from livekit.agents import Plugin

@@ -1,14 +1,16 @@
-"""The streaming speech protocol shared by the client plugin and the engine server.
+"""The client's half of the engine's streaming speech protocol (qwen3-tts-engine's
+`qwen3_tts_engine/protocol.py` is the server's half; tests/test_wire_contract.py keeps the two
+in step, without this plugin importing the engine).
 
-`POST /v1/audio/speech` takes OpenAI's fields plus vLLM-Omni's Qwen3-TTS fields; this module
-validates a request body into a `SpeechRequest` (pure, no I/O) and names the audio constants.
+`POST /v1/audio/speech` takes OpenAI's fields plus vLLM-Omni's Qwen3-TTS fields and streams
+s16le mono PCM at 24 kHz, one HTTP chunk per 4-frame audio chunk; errors are OpenAI-style JSON
+bodies (`{"error": {"message", "type", "param", "code"}}`).
 """
 
 from __future__ import annotations
 
-import math
-import unicodedata
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 SAMPLE_RATE = 24000
@@ -34,23 +36,6 @@ _LANGUAGE_ALIASES = {
     "ru": "russian", "pt": "portuguese", "pt-br": "portuguese", "es": "spanish",
     "it": "italian",
 }  # fmt: skip
-TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base"}
-RESPONSE_FORMATS = ("pcm", "wav")
-
-
-class RequestError(ValueError):
-    """A client error: becomes a 4xx answer with an OpenAI-style JSON body."""
-
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-
-    def to_json(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param,
-                          "code": self.status}}  # fmt: skip
 
 
 def normalize_language(value: str | None) -> str:
@@ -60,160 +45,46 @@ def normalize_language(value: str | None) -> str:
     key = value.strip().lower().replace("_", "-")
     key = _LANGUAGE_ALIASES.get(key, key)
     if key not in LANGUAGES:
-        raise RequestError(
-            f"unknown language {value!r}; use one of {', '.join(LANGUAGES)} or a code such as 'en'",
-            param="language",
+        raise ValueError(
+            f"unknown language {value!r}; use one of {', '.join(LANGUAGES)} or a code such as 'en'"
         )
     return key
 
 
-@dataclass
-class Limits:
-    max_input_chars: int = 4000
-    max_new_tokens: int = 4096
-    max_ref_audio_bytes: int = 8 * 1024 * 1024
+def error_message(body: Any) -> str | None:
+    """The message of an engine (or OpenAI-style) error body, if it is one."""
+    if isinstance(body, Mapping) and isinstance(body.get("error"), Mapping):
+        message = body["error"].get("message")
+        return str(message) if message is not None else None
+    return None
 
 
-@dataclass
-class SpeechRequest:
-    input: str
-    model: str | None = None
-    voice: str | None = None
-    response_format: str = "wav"
-    stream: bool = False
-    task_type: str | None = None  # custom_voice | voice_design | base
-    language: str = "auto"
-    instructions: str | None = None
-    ref_audio: str | None = None  # base64 / data URI, or a file under the allow-listed directory
-    ref_text: str | None = None
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    variant: str | None = None
-    first_chunk_frames: int = CHUNK_FRAMES
+@dataclass(frozen=True)
+class EngineLoad:
+    """What a client weighs from `GET /v1/engine/status`: requests waiting or in flight on
+    every handler, and the memory governor's pressure with its policy's band (when it runs)."""
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    queue_depth: int
+    memory_pressure: float | None = None
+    upgrade_at: float | None = None  # at or below: memory is comfortable
+    critical_at: float | None = None  # at or above: the engine is out of memory headroom
 
+    @classmethod
+    def from_status(cls, body: Mapping | None) -> EngineLoad:
+        if not body:
+            return cls(queue_depth=0)
+        depth = sum(int(h.get("queue_depth") or 0) for h in body.get("handlers") or [])
+        governor = body.get("governor") or {}
+        pressure = (governor.get("pressure") or {}).get("pressure")
+        policy = governor.get("policy") or {}
+        if pressure is None or policy.get("upgrade_at") is None or policy.get("critical_at") is None:
+            return cls(queue_depth=depth)
+        return cls(queue_depth=depth, memory_pressure=float(pressure),
+                   upgrade_at=float(policy["upgrade_at"]), critical_at=float(policy["critical_at"]))  # fmt: skip
 
-def _opt(body: dict, key: str, kinds: tuple[type, ...], what: str) -> Any:
-    value = body.get(key)
-    if value is None:
-        return None
-    # bool is an int subclass: never accept it where a number is meant.
-    if isinstance(value, bool) and bool not in kinds:
-        raise RequestError(f"{key} must be {what}", param=key)
-    if not isinstance(value, kinds):
-        raise RequestError(f"{key} must be {what}", param=key)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise RequestError(f"{key} must be a finite number", param=key)
-    return value
-
-
-def has_speakable_text(text: str) -> bool:
-    """True when `text` holds a character that is not a control, format (zero-width, BOM),
-    separator or space character: input of only those makes no speech, only noise."""
-    return any(unicodedata.category(c)[0] not in "CZ" for c in text)
-
-
-def _text(body: dict, key: str, max_len: int) -> str | None:
-    value = _opt(body, key, (str,), "a string")
-    if value is not None and len(value) > max_len:
-        raise RequestError(f"{key} is longer than {max_len} characters", param=key)
-    return value
-
-
-def _in_range(key: str, value: float | int | None, lo: float, hi: float) -> None:
-    if value is not None and not (lo <= value <= hi):
-        raise RequestError(f"{key} must be between {lo} and {hi}", param=key)
-
-
-def parse_speech_request(body: Any, limits: Limits | None = None) -> SpeechRequest:
-    """Validate a decoded JSON body. Raises RequestError with the offending field."""
-    limits = limits or Limits()
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
-
-    text = _opt(body, "input", (str,), "a string")
-    if text is None or not text.strip():
-        raise RequestError("input must be a non-empty string", param="input")
-    if not has_speakable_text(text):
-        raise RequestError("input has no speakable text (only control or zero-width characters)",
-                           param="input")  # fmt: skip
-    if len(text) > limits.max_input_chars:
-        raise RequestError(
-            f"input is longer than {limits.max_input_chars} characters; split it", param="input"
-        )
-
-    fmt = _opt(body, "response_format", (str,), "a string") or "wav"
-    if fmt not in RESPONSE_FORMATS:
-        raise RequestError(
-            f"response_format {fmt!r} is not supported; use one of {', '.join(RESPONSE_FORMATS)}",
-            param="response_format",
-        )
-    stream = _opt(body, "stream", (bool,), "true or false") or False
-
-    task = _opt(body, "task_type", (str,), "a string")
-    if task is not None:
-        if task not in TASK_TYPES and task not in TASK_TYPES.values():
-            raise RequestError(
-                f"task_type must be one of {', '.join(TASK_TYPES)}", param="task_type"
-            )
-        task = TASK_TYPES.get(task, task)
-
-    speed = _opt(body, "speed", (int, float), "a number")
-    if speed is not None and speed != 1.0:
-        raise RequestError("speed other than 1.0 is not supported by Qwen3-TTS", param="speed")
-
-    max_new = _opt(body, "max_new_tokens", (int,), "an integer")
-    _in_range("max_new_tokens", max_new, 1, limits.max_new_tokens)
-    temperature = _opt(body, "temperature", (int, float), "a number")
-    _in_range("temperature", temperature, 0.0, 2.0)
-    top_k = _opt(body, "top_k", (int,), "an integer")
-    _in_range("top_k", top_k, 0, 4096)
-    top_p = _opt(body, "top_p", (int, float), "a number")
-    _in_range("top_p", top_p, 0.0, 1.0)
-    rep = _opt(body, "repetition_penalty", (int, float), "a number")
-    _in_range("repetition_penalty", rep, 1.0, 3.0)
-    seed = _opt(body, "seed", (int,), "an integer")
-    _in_range("seed", seed, 0, 2**32 - 1)
-    first = _opt(body, "first_chunk_frames", (int,), "an integer")
-    if first is not None and first not in (1, 2, CHUNK_FRAMES):
-        raise RequestError("first_chunk_frames must be 1, 2 or 4", param="first_chunk_frames")
-
-    ref_audio = _opt(body, "ref_audio", (str,), "a string")
-    if ref_audio is not None and len(ref_audio) > limits.max_ref_audio_bytes * 4 // 3 + 64:
-        raise RequestError("ref_audio is too large", param="ref_audio", status=413)
-
-    return SpeechRequest(
-        input=text,
-        model=_text(body, "model", 256),
-        voice=_text(body, "voice", 64),
-        response_format=fmt,
-        stream=stream,
-        task_type=task,
-        language=normalize_language(_opt(body, "language", (str,), "a string")),
-        instructions=_text(body, "instructions", 1000),
-        ref_audio=ref_audio,
-        ref_text=_text(body, "ref_text", limits.max_input_chars),
-        max_new_tokens=max_new,
-        temperature=None if temperature is None else float(temperature),
-        top_k=top_k,
-        top_p=None if top_p is None else float(top_p),
-        repetition_penalty=None if rep is None else float(rep),
-        seed=seed,
-        variant=_text(body, "variant", 64),
-        first_chunk_frames=first or CHUNK_FRAMES,
-    )
-
-
-def default_max_new_tokens(text: str) -> int:
-    """A generous cap from the text length so that runaway generations end.
-
-    Speech runs at roughly 12-15 characters per second, i.e. about one 80 ms frame per
-    character; 2.5 frames per character plus 3 s of slack covers slow, expressive speech.
-    """
-    return min(4096, math.ceil(len(text) * 2.5) + 40)
+    def memory_load(self) -> float:
+        """0 at or below `upgrade_at`, 1 at `critical_at`, linear between; 0 without a governor."""
+        if self.memory_pressure is None:
+            return 0.0
+        low, high = self.upgrade_at, self.critical_at
+        return (self.memory_pressure - low) / max(1e-6, high - low)

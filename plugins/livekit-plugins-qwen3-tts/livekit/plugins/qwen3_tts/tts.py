@@ -28,7 +28,7 @@ from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS
 
 from .endpoints import Endpoint, EndpointPool
 from .log import logger
-from .protocol import HEADER_VARIANT, SAMPLE_RATE, normalize_language
+from .protocol import HEADER_VARIANT, SAMPLE_RATE, error_message, normalize_language
 
 DEFAULT_URL = "http://127.0.0.1:8880"
 # The owned HTTP client's default; each synthesis attempt is bounded by `conn_options.timeout`.
@@ -315,9 +315,10 @@ class _Stalled(Exception):
 
 def _error_message(r: httpx.Response) -> str:
     try:
-        return r.json()["error"]["message"]
-    except Exception:
-        return r.text[:300] or f"HTTP {r.status_code}"
+        message = error_message(r.json())
+    except ValueError:
+        message = None
+    return message or r.text[:300] or f"HTTP {r.status_code}"
 
 
 class ChunkedStream(tts.ChunkedStream):

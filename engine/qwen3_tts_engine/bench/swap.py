@@ -1,0 +1,206 @@
+"""`qwen3-tts bench swap`: the governor's variant swaps measured, as JSON, in both swap modes.
+
+Per mode: swap latency (decision -> new variant serving) against the new variant's plain load
+time, idle and while an utterance streams; the wait of a request that arrives mid-swap; the
+in-flight stream's chunks (none lost or cut); worker memory before, at the peak, and after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from qwen3_tts_engine.governor.governor import Governor, SwapRecord
+from qwen3_tts_engine.governor.memory import ManualProbe
+from qwen3_tts_engine.governor.policy import BREAK_BEFORE_MAKE, MAKE_BEFORE_BREAK, Policy
+from qwen3_tts_engine.protocol import CHUNK_FRAMES, FRAME_SAMPLES, HEADER_VARIANT
+from qwen3_tts_engine.runtime.engine import Engine
+from qwen3_tts_engine.runtime.handler import Handler
+from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
+
+LONG_FRAMES = 16  # the utterance that is speaking while the swap happens (4 chunks)
+SHORT_FRAMES = 4
+MID_SWAP_DELAY_S = 0.3  # the second request arrives this long after the decision
+TEXT = "A voice that keeps talking while the engine changes its precision underneath."
+MB = 1 << 20
+
+
+class _Stream:
+    def __init__(self, url: str, frames: int, seed: int, voice: str | None) -> None:
+        self.frames = frames
+        self.body = {"input": TEXT, "voice": voice, "language": "en", "seed": seed,
+                     "max_new_tokens": frames, "stream": True, "response_format": "pcm"}  # fmt: skip
+        self.t0 = time.perf_counter()
+        self.times: list[float] = []
+        self.bytes = 0
+        self.variant: str | None = None
+        self.error: str | None = None
+        self.first = asyncio.Event()
+        self.task = asyncio.create_task(self._run(url))
+
+    async def _run(self, url: str) -> None:
+        try:
+            async with httpx.AsyncClient(timeout=600) as c, \
+                    c.stream("POST", url, json=self.body) as r:  # fmt: skip
+                self.variant = r.headers.get(HEADER_VARIANT)
+                if r.status_code != 200:
+                    self.error = f"HTTP {r.status_code}"
+                async for data in r.aiter_raw():
+                    self.bytes += len(data)
+                    self.times.append(time.perf_counter())
+                    self.first.set()
+        except httpx.HTTPError as e:
+            self.error = f"{type(e).__name__}: {e}"
+        self.first.set()
+
+    @property
+    def first_audio_s(self) -> float | None:
+        return self.times[0] - self.t0 if self.times else None
+
+    def report(self) -> dict:
+        expected = self.frames * FRAME_SAMPLES * 2
+        chunk = CHUNK_FRAMES * FRAME_SAMPLES * 2
+        gaps = [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
+        return {"variant": self.variant, "error": self.error, "bytes": self.bytes,
+                "complete": self.bytes == expected and self.error is None,
+                "lost_chunks": max(0, -(-(expected - self.bytes) // chunk)),
+                "first_audio_s": self.first_audio_s,
+                "max_chunk_gap_s": max(gaps) if gaps else None,
+                "median_chunk_gap_s": statistics.median(gaps) if gaps else None}  # fmt: skip
+
+
+async def _plain_load(model: str, variant: str) -> float:
+    h = Handler(model, variant)
+    try:
+        return (await h.start())["start_s"]
+    finally:
+        await h.stop(drain=False)
+
+
+async def _workers_rss(engine: Engine) -> int:
+    total = 0
+    for h in engine.all_handlers():
+        if h.state != "stopped":
+            total += (await h.memory()).get("rss_bytes", 0)
+    return total
+
+
+async def _sample_peak(engine: Engine, stop: asyncio.Event, out: list[int]) -> None:
+    while not stop.is_set():
+        out.append(await _workers_rss(engine))
+        await asyncio.sleep(0.05)
+
+
+def _memory_mb(rec: SwapRecord, peak: int) -> dict:
+    b, a = rec.memory_before or {}, rec.memory_after or {}
+
+    def mb(v):
+        return round(v / MB, 1) if v else None
+
+    return {"active_worker_before": mb(b.get("active_rss_bytes")),
+            "active_worker_after": mb(a.get("active_rss_bytes")),
+            "workers_before": mb(b.get("workers_rss_bytes")), "workers_peak": mb(peak),
+            "workers_after": mb(a.get("workers_rss_bytes"))}  # fmt: skip
+
+
+async def _swap(gov: Governor, variant: str, mode: str) -> tuple[SwapRecord, int]:
+    """A swap measured to the end of the old worker; returns the record and the peak RSS."""
+    stop, samples = asyncio.Event(), []
+    sampler = asyncio.create_task(_sample_peak(gov.engine, stop, samples))
+    rec = await gov.request(variant, mode=mode)
+    await gov.settle()  # make-before-break retires the old worker after the swap
+    stop.set()
+    await sampler
+    return rec, max(samples, default=0)
+
+
+def _timing(rec: SwapRecord, plain_load_s: float) -> dict:
+    # Break before make first waits for the utterance in flight: that wait is by design.
+    drain = rec.drain_s if rec.mode == BREAK_BEFORE_MAKE else 0.0
+    return {"from": rec.from_variant, "to": rec.to_variant, "latency_s": rec.latency_s,
+            "drain_s": rec.drain_s, "stop_s": rec.stop_s, "load_in_swap_s": rec.load_s,
+            "plain_load_s": plain_load_s,
+            "latency_minus_drain_minus_plain_load_s": rec.latency_s - drain - plain_load_s,
+            "machinery_overhead_s": rec.latency_s - drain - (rec.load_s or 0.0)}  # fmt: skip
+
+
+async def _mode(model: str, mode: str, plain: dict[str, float]) -> dict:
+    engine = Engine(model, [Handler(model, "bf16")])
+    gov = Governor(engine, ManualProbe(), Policy(ladder=("bf16", "8bit")), auto=False,
+                   allow_unevaluated=("all",))  # a benchmark of swaps, not of quality
+    server = EngineServer(engine, ServerConfig(port=0), gov)
+    await server.start()
+    url = f"http://127.0.0.1:{server.port}/v1/audio/speech"
+    voice = (engine.info.get("voices") or [None])[0]
+    try:
+        baseline = _Stream(url, SHORT_FRAMES, 1, voice)
+        await baseline.task
+        # Down while an utterance streams; a second request arrives in the middle of the swap.
+        speaking = _Stream(url, LONG_FRAMES, 2, voice)
+        await speaking.first.wait()
+        swap = asyncio.create_task(_swap(gov, "8bit", mode))
+        await asyncio.sleep(MID_SWAP_DELAY_S)
+        mid = _Stream(url, SHORT_FRAMES, 3, voice)
+        rec, peak = await swap
+        await asyncio.gather(speaking.task, mid.task)
+        mid_report = mid.report()
+        mid_report["arrived_after_decision_s"] = MID_SWAP_DELAY_S
+        mid_report["extra_wait_s"] = (mid.first_audio_s or 0) - (baseline.first_audio_s or 0)
+        loaded = {**_timing(rec, plain["8bit"]), "in_flight_stream": speaking.report(),
+                  "mid_swap_request": mid_report, "memory_mb": _memory_mb(rec, peak)}  # fmt: skip
+        # Up again with no traffic: the swap's latency against the plain load time.
+        rec, peak = await _swap(gov, "bf16", mode)
+        idle = {**_timing(rec, plain["bf16"]), "memory_mb": _memory_mb(rec, peak)}
+        return {"baseline_first_audio_s": baseline.first_audio_s, "under_load": loaded,
+                "idle": idle, "requests": [baseline.report(), speaking.report(), mid_report]}
+    finally:
+        await server.stop()
+
+
+def run_swap_bench(args) -> int:
+    from qwen3_tts_engine.models.loading import cache_root
+    from qwen3_tts_engine.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    model = args.model or str(cache_root() / "tiny" / "custom_voice-8layers-seed0")
+    if not args.model and not (Path(model) / "config.json").is_file():
+        write_tiny_checkpoint(model, variant="custom_voice", seed=0, talker_layers=8)
+    print(f"swap benchmark on {model} ...", file=sys.stderr)
+
+    async def run() -> dict:
+        await _plain_load(model, "8bit")  # quantize-on-load once, so every load is a plain load
+        plain = {v: statistics.median([await _plain_load(model, v) for _ in range(args.plain_loads)])
+                 for v in ("bf16", "8bit")}  # fmt: skip
+        modes = {}
+        for mode in (MAKE_BEFORE_BREAK, BREAK_BEFORE_MAKE):
+            print(f"  {mode}", file=sys.stderr)
+            modes[mode] = await _mode(model, mode, plain)
+        return {"plain_load_s": plain, "modes": modes}
+
+    result = asyncio.run(run())
+    requests = [r for m in result["modes"].values() for r in m.pop("requests")]
+    cases = {f"{mode} {case}": m[case] for mode, m in result["modes"].items()
+             for case in ("under_load", "idle")}  # fmt: skip
+    report = {
+        "model": model, "tiny_checkpoint": not args.model, "long_frames": LONG_FRAMES,
+        "short_frames": SHORT_FRAMES, **result,
+        "lost_chunks": sum(r["lost_chunks"] for r in requests),
+        "truncated_or_failed_requests": sum(not r["complete"] for r in requests),
+        "goal": {
+            "latency_within_plain_load_plus_100ms": {
+                name: c["latency_minus_drain_minus_plain_load_s"] <= 0.1 for name, c in cases.items()},
+            "machinery_overhead_under_100ms": {
+                name: c["machinery_overhead_s"] <= 0.1 for name, c in cases.items()},
+            "zero_lost_or_truncated_chunks": all(r["complete"] for r in requests),
+        },
+    }  # fmt: skip
+    text = json.dumps(report, indent=2, default=float)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0

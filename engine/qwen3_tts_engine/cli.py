@@ -1,0 +1,418 @@
+"""`qwen3-tts` command line: tiny-checkpoint, serve, variant, say, bench, demo, quantize, eval, ablate.
+
+Everything but `say --server` runs mlx-audio (installed with the package on macOS and Linux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from .audio import pcm16, write_wav
+from .protocol import (
+    SAMPLE_RATE,
+    EngineStatus,
+    RequestError,
+    SpeechRequest,
+    VariantChange,
+    normalize_language,
+)
+from .serving.auth import bearer_header
+from .testing import TINY_WARNING, default_tiny_checkpoint
+
+
+def _need_mlx() -> None:
+    try:
+        import mlx_audio  # noqa: F401
+    except ImportError:
+        sys.exit("qwen3-tts: this command needs mlx-audio: "
+                 "pip install qwen3-tts-engine")  # fmt: skip
+
+
+# -- tiny-checkpoint --------------------------------------------------------------------------
+
+
+def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
+    _need_mlx()
+    from qwen3_tts_engine.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    t0 = time.perf_counter()
+    out = write_tiny_checkpoint(args.out, variant=args.variant, bits=args.bits, seed=args.seed,
+                                eos=args.eos)  # fmt: skip
+    size = sum(f.stat().st_size for f in Path(out).rglob("*") if f.is_file())
+    print(f"wrote {args.variant} tiny checkpoint ({size / 1e6:.1f} MB) to {out} "
+          f"in {time.perf_counter() - t0:.1f}s")  # fmt: skip
+    return 0
+
+
+# -- serve ------------------------------------------------------------------------------------
+
+
+def _policy(args: argparse.Namespace):
+    from qwen3_tts_engine.governor.policy import Policy
+
+    ladder = tuple(v.strip() for v in args.ladder.split(",") if v.strip())
+    return Policy(ladder=ladder, downgrade_at=args.downgrade_at, upgrade_at=args.upgrade_at,
+                  downgrade_hold_s=args.downgrade_hold, upgrade_hold_s=args.upgrade_hold,
+                  cooldown_s=args.cooldown, critical_at=args.critical_at, mode=args.swap_mode)  # fmt: skip
+
+
+def build_server(args: argparse.Namespace):
+    from qwen3_tts_engine.governor.budget import load_budget
+    from qwen3_tts_engine.governor.governor import Governor
+    from qwen3_tts_engine.governor.memory import detect_probe
+    from qwen3_tts_engine.runtime.engine import Engine
+    from qwen3_tts_engine.runtime.handler import Handler
+    from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
+
+    from .protocol import Limits
+
+    model = args.model or str(default_tiny_checkpoint())
+    policy = _policy(args)
+    # An explicit ladder without --variant starts at its top; otherwise the model's default.
+    variants = args.variant or ([policy.ladder[0]] if args.ladder_given else [None])
+    handlers = [Handler(model, v, max_queue=args.max_queue) for v in variants]
+    config = ServerConfig(
+        host=args.host, port=args.port, api_key=os.environ.get("QWEN3_TTS_API_KEY") or None,
+        ref_audio_dir=Path(args.ref_audio_dir) if args.ref_audio_dir else None,
+        limits=Limits(max_input_chars=args.max_input_chars), max_queue=args.max_queue,
+    )  # fmt: skip
+    engine = Engine(model, handlers)
+    governor = Governor(engine, detect_probe(args.memory_source), policy,
+                        interval_s=args.governor_interval, drain_deadline_s=args.drain_deadline,
+                        auto=not args.no_governor,
+                        allow_unevaluated=[v.strip() for v in (args.allow_unevaluated or "").split(",") if v.strip()],
+                        quality_budget=load_budget(Path(args.quality_budget)) if args.quality_budget else None,
+                        quality_min_items=args.quality_min_items)  # fmt: skip
+    return EngineServer(engine, config, governor)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _need_mlx()
+    from qwen3_tts_engine.serving.app import serve_forever
+
+    if not args.model:
+        print(TINY_WARNING, file=sys.stderr)
+    try:
+        asyncio.run(serve_forever(build_server(args)))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+# -- variant ----------------------------------------------------------------------------------
+
+
+def cmd_variant(args: argparse.Namespace) -> int:
+    """Show the governor's state, or swap the engine to a variant (pinned) / back to "auto"."""
+    import httpx
+
+    headers = bearer_header(os.environ.get("QWEN3_TTS_API_KEY"))
+    base = args.server.rstrip("/")
+    timeout = httpx.Timeout(args.timeout, connect=10)
+    if args.name is None:
+        r = httpx.get(f"{base}/v1/engine/status", headers=headers, timeout=timeout)
+    else:
+        body = {"variant": args.name, "mode": args.mode, "pin": not args.no_pin}
+        r = httpx.post(f"{base}/v1/engine/variant", json=body, headers=headers, timeout=timeout)
+    try:
+        data = r.json()
+    except ValueError:
+        data = {"error": {"message": r.text}}
+    if r.status_code >= 400 and "error" in data:
+        print(f"qwen3-tts: server answered {r.status_code}: {data['error']['message']}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    if args.name is None:  # the governor's state (or the whole status without a governor)
+        status = EngineStatus.from_json(data)
+        print(json.dumps(status.governor if status.governor is not None else data, indent=2))
+        return 0 if r.status_code < 400 else 1
+    change = VariantChange.from_json(data)
+    if args.json:
+        print(json.dumps(change.to_json(), indent=2))
+    else:
+        swap = change.swap
+        done = (f"swapped {swap['from_variant']} -> {swap['to_variant']} ({swap['mode']}) in "
+                f"{swap['latency_s']:.2f}s") if swap else "no swap needed"  # fmt: skip
+        print(f"{done}; active variant {change.active_variant}, pinned: {change.pinned}")
+    return 0 if r.status_code < 400 else 1
+
+
+# -- say --------------------------------------------------------------------------------------
+
+
+def _say_local(args: argparse.Namespace, req: SpeechRequest) -> tuple[dict, bytes]:
+    """In-process synthesis (mlx on this main thread)."""
+    _need_mlx()
+
+    from qwen3_tts_engine.models.loading import load
+    from qwen3_tts_engine.models.variants import resolve
+    from qwen3_tts_engine.runtime.synthesis import SynthesisStats, model_info, stream_chunks
+
+    source = resolve(args.model or str(default_tiny_checkpoint()), args.variant)
+    model, details = load(source, progress=True)
+    if req.voice is None and model_info(model)["voices"]:
+        req.voice = model_info(model)["voices"][0]
+    stats = SynthesisStats()
+    pcm, chunks, first = [], [], None
+    t0 = time.perf_counter()
+    for chunk in stream_chunks(model, req, stats=stats):
+        first = first if first is not None else time.perf_counter() - t0
+        pcm.append(pcm16(chunk.audio))
+        chunks.append({"frames": chunk.frames, "samples": int(chunk.audio.shape[0]),
+                       "compute_s": round(chunk.compute_s, 4)})  # fmt: skip
+    total = time.perf_counter() - t0
+    return {"variant": source.variant, "load_s": round(details["load_s"], 3), "chunks": chunks,
+            "first_audio_s": first, "total_s": total, "hit_token_cap": stats.hit_token_cap}, b"".join(pcm)  # fmt: skip
+
+
+def _say_remote(args: argparse.Namespace, req: SpeechRequest) -> tuple[dict, bytes]:
+    import httpx
+
+    from .protocol import HEADER_VARIANT
+
+    body = {k: v for k, v in req.to_dict().items() if v is not None}
+    body.update(stream=True, response_format="pcm")
+    headers = bearer_header(os.environ.get("QWEN3_TTS_API_KEY"))
+    pcm, chunks, first = [], [], None
+    t0 = time.perf_counter()
+    url = args.server.rstrip("/") + "/v1/audio/speech"
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=httpx.Timeout(600, connect=10)) as r:
+        if r.status_code != 200:
+            r.read()
+            raise SystemExit(f"qwen3-tts: server answered {r.status_code}: {r.text}")
+        variant = r.headers.get(HEADER_VARIANT)
+        for data in r.iter_raw():
+            first = first if first is not None else time.perf_counter() - t0
+            pcm.append(data)
+            chunks.append({"frames": len(data) // 2 / 1920, "samples": len(data) // 2})
+    return {"variant": variant, "chunks": chunks, "first_audio_s": first,
+            "total_s": time.perf_counter() - t0}, b"".join(pcm)  # fmt: skip
+
+
+def cmd_say(args: argparse.Namespace) -> int:
+    try:
+        req = SpeechRequest(
+            input=args.text, voice=args.voice, language=normalize_language(args.language),
+            instructions=args.instructions, seed=args.seed, max_new_tokens=args.max_new_tokens,
+            first_chunk_frames=args.first_chunk_frames, variant=args.variant if args.server else None,
+        )  # fmt: skip
+    except RequestError as e:
+        print(f"qwen3-tts: {e.message}", file=sys.stderr)
+        return 2
+    if not args.model and not args.server:
+        print(TINY_WARNING, file=sys.stderr)
+    report, pcm = (_say_remote if args.server else _say_local)(args, req)
+    audio_s = len(pcm) / 2 / SAMPLE_RATE
+    report.update(sample_rate=SAMPLE_RATE, audio_s=audio_s,
+                  rtf=report["total_s"] / audio_s if audio_s else None)  # fmt: skip
+    if args.out:
+        write_wav(Path(args.out), pcm)
+        report["out"] = args.out
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{audio_s:.2f}s of audio in {len(report['chunks'])} chunks (variant "
+              f"{report['variant']}), first audio after {report['first_audio_s']:.3f}s, "
+              f"RTF {report['rtf']:.2f}" + (f" -> {args.out}" if args.out else ""))  # fmt: skip
+    return 0
+
+
+# -- demo / bench -------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    _need_mlx()
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    _need_mlx()
+    if args.what == "swap":
+        from qwen3_tts_engine.bench.swap import run_swap_bench
+
+        return run_swap_bench(args)
+    if args.what == "spawn":
+        from qwen3_tts_engine.bench.spawn import run_spawn_bench
+
+        return run_spawn_bench(args)
+    from qwen3_tts_engine.bench.engine import run_bench
+
+    return run_bench(args)
+
+
+class _Given(argparse.Action):
+    """Stores the value and notes that it was given (defaults come from the Policy)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_given", True)
+
+
+def _add_governor_options(s: argparse.ArgumentParser) -> None:
+    from qwen3_tts_engine.governor.policy import MODES, Policy
+
+    d = Policy()
+    g = s.add_argument_group("memory-pressure governor (README: Memory-pressure governor)")
+    g.add_argument("--ladder", default=",".join(d.ladder), action=_Given,
+                   help=f"variants from largest to smallest (default {','.join(d.ladder)}); "
+                   "without --variant the engine starts at the first")
+    g.set_defaults(ladder_given=False)
+    g.add_argument("--downgrade-at", type=float, default=d.downgrade_at,
+                   help=f"used fraction of the memory limit that moves down (default {d.downgrade_at})")
+    g.add_argument("--upgrade-at", type=float, default=d.upgrade_at,
+                   help=f"used fraction below which it moves back up (default {d.upgrade_at})")
+    g.add_argument("--downgrade-hold", type=float, default=d.downgrade_hold_s, metavar="S",
+                   help=f"seconds above --downgrade-at before moving (default {d.downgrade_hold_s})")
+    g.add_argument("--upgrade-hold", type=float, default=d.upgrade_hold_s, metavar="S",
+                   help=f"seconds below --upgrade-at before moving (default {d.upgrade_hold_s})")
+    g.add_argument("--cooldown", type=float, default=d.cooldown_s, metavar="S",
+                   help=f"seconds after a swap before the next (default {d.cooldown_s})")
+    g.add_argument("--critical-at", type=float, default=d.critical_at,
+                   help=f"used fraction that moves down at once (default {d.critical_at})")
+    g.add_argument("--swap-mode", choices=MODES, default=d.mode,
+                   help="auto: make-before-break when both workers fit (default)")
+    g.add_argument("--drain-deadline", type=float, metavar="S",
+                   help="hard deadline for utterances on a swapped-out variant (default: none)")
+    g.add_argument("--memory-source", default="auto",
+                   choices=["auto", "cgroup-v2", "cgroup-v1", "system", "macos"])
+    g.add_argument("--governor-interval", type=float, default=1.0, metavar="S",
+                   help="seconds between memory readings (default 1.0)")
+    g.add_argument("--allow-unevaluated", metavar="VARIANTS",
+                   help="operator consent: put these quantized rungs (comma-separated, or 'all') "
+                   "on the ladder without a stored passing `qwen3-tts eval` report")
+    g.add_argument("--quality-budget", metavar="FILE",
+                   help="JSON/YAML budget a stored report must meet (default: eval's default budget)")
+    g.add_argument("--quality-min-items", type=int, default=6, metavar="N",
+                   help="fewest evaluated items a stored report needs (default 6)")
+    g.add_argument("--no-governor", action="store_true",
+                   help="no automatic swaps (POST /v1/engine/variant still works)")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _client_levels(text: str) -> tuple[int, ...]:
+    try:
+        levels = tuple(_positive_int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers like 1,2,4, got {text!r}") from None
+    if not levels:
+        raise argparse.ArgumentTypeError("name at least one concurrency level")
+    return levels
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qwen3-tts", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("tiny-checkpoint", help="write a tiny random checkpoint (tests, demos)")
+    t.add_argument("out")
+    t.add_argument("--variant", choices=["custom_voice", "base", "voice_design"], default="custom_voice")
+    t.add_argument("--bits", type=int, choices=[4, 6, 8])
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--eos", choices=["text", "never", "random"], default="text",
+                   help="how utterances end: by EOS after about one frame per text token (text), "
+                        "only at --max-new-tokens (never), or when sampling picks EOS (random); "
+                        "in-context cloning (ref_audio + ref_text) ends at once with text")
+    t.set_defaults(fn=cmd_tiny_checkpoint)
+
+    s = sub.add_parser("serve", help="run the engine server")
+    s.add_argument("--model", help="hub id or local checkpoint (default: a tiny random one)")
+    s.add_argument("--variant", action="append", help="variant to load (repeat for several; "
+                   "the first serves by default): bf16, 8bit, 6bit, 4bit, talker-mlp-w4, ...")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8880)
+    s.add_argument("--ref-audio-dir", help="folder whose files ref_audio may name")
+    s.add_argument("--max-queue", type=int, default=32)
+    s.add_argument("--max-input-chars", type=int, default=4000)
+    _add_governor_options(s)
+    s.set_defaults(fn=cmd_serve)
+
+    v = sub.add_parser("variant", help="show the memory governor, or swap the served variant")
+    v.add_argument("name", nargs="?", metavar="VARIANT",
+                   help='variant to swap to (pinned), or "auto" to let the governor decide; '
+                   "omit to print the governor's status")
+    v.add_argument("--server", required=True, help="engine URL, e.g. http://127.0.0.1:8880")
+    v.add_argument("--mode", choices=["auto", "make-before-break", "break-before-make"],
+                   default="auto")
+    v.add_argument("--no-pin", action="store_true",
+                   help="let the governor move away from it again")
+    v.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the swap")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(fn=cmd_variant)
+
+    y = sub.add_parser("say", help="synthesize one text in-process or through a server")
+    y.add_argument("text")
+    y.add_argument("--model")
+    y.add_argument("--variant")
+    y.add_argument("--voice")
+    y.add_argument("--language", default="auto")
+    y.add_argument("--instructions")
+    y.add_argument("--seed", type=int)
+    y.add_argument("--max-new-tokens", type=int)
+    y.add_argument("--first-chunk-frames", type=int, choices=[1, 2, 4], default=4)
+    y.add_argument("--server", help="engine URL, e.g. http://127.0.0.1:8880")
+    y.add_argument("--out", help="write a WAV file")
+    y.add_argument("--json", action="store_true")
+    y.set_defaults(fn=cmd_say)
+
+    d = sub.add_parser("demo", help="offline engine demo: server + streamed synthesis to a WAV")
+    d.add_argument("--model")
+    d.add_argument("--text", default="Hello! This is the Qwen3 TTS engine, streaming in chunks.")
+    d.add_argument("--out", default="out/demo.wav")
+    d.add_argument("--max-new-tokens", type=int, help="frame cap (default: from the text; 25 "
+                   "for the tiny random checkpoint)")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(fn=cmd_demo)
+
+    from qwen3_tts_engine.quant.cli import add_parsers
+
+    add_parsers(sub)
+
+    b = sub.add_parser("bench", help="benchmarks (JSON): engine (default), swap or spawn")
+    b.add_argument("what", nargs="?", choices=["engine", "swap", "spawn"], default="engine",
+                   help="engine: per-variant latency and memory; swap: governor swap latency, "
+                   "audio gap and memory in both swap modes; spawn: a worker's start-up cost "
+                   "besides loading weights")
+    b.add_argument("--variants", default="bf16,8bit,6bit,4bit,talker-mlp-w4")
+    b.add_argument("--model", help="checkpoint (default: a tiny random one)")
+    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--frames", type=_positive_int, default=8,
+                   help="engine: frames per request (default 8: first audio and one more chunk)")
+    b.add_argument("--clients", type=_client_levels, default=(1, 2, 4),
+                   help="engine: concurrency levels, comma-separated (default 1,2,4)")
+    b.add_argument("--plain-loads", type=_positive_int, default=2,
+                   help="swap: plain loads per variant whose median is the reference (default 2)")
+    b.add_argument("--real-size-memory", action="store_true",
+                   help="also build the real 0.6B architecture (random weights) per variant")
+    b.add_argument("--out", help="also write the JSON here")
+    b.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("QWEN3_TTS_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"qwen3-tts: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

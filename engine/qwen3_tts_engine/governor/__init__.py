@@ -1,0 +1,1 @@
+"""The memory governor: probes, the swap policy, swaps between variants, the quality gate."""

@@ -1,0 +1,3 @@
+import logging
+
+logger = logging.getLogger("qwen3_tts_engine")

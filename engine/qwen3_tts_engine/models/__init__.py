@@ -1,0 +1,1 @@
+"""Checkpoints: variants, quantization recipes, loading (quantize on load), footprints."""

@@ -1,0 +1,60 @@
+"""The parts of Qwen3-TTS an ablation quantizes one at a time, as recipe rules over module paths.
+
+Components may overlap (the first talker layer holds attention and MLP modules too); each one is
+a set of quantizable Linear paths, so "only this" and "all but this" are plain recipes.
+"""
+
+from __future__ import annotations
+
+from .recipes import Recipe, Rule
+
+_LAYER = r"^talker\.model\.layers\.\d+\."
+
+# name -> (pattern, talker-layer range or None, description)
+COMPONENTS: dict[str, tuple[str, tuple[int, int] | None, str]] = {
+    "talker-attention": (_LAYER + r"self_attn\.", None, "q/k/v/o projections of every talker layer"),
+    "talker-mlp": (_LAYER + r"mlp\.", None, "gate/up/down projections of every talker layer"),
+    "talker-first-layer": (_LAYER, (0, 0), "all projections of talker layer 0"),
+    "talker-last-layer": (_LAYER, (-1, -1), "all projections of the last talker layer"),
+    "codec-head": (r"^talker\.codec_head$", None, "the talker's codebook-0 head"),
+    "text-projection": (r"^talker\.text_projection\.", None, "text-embedding projection MLP"),
+    "code-predictor": (r"^talker\.code_predictor\.", None, "the 15-head code predictor"),
+}
+
+
+def rule(component: str, bits: int | None, group_size: int = 64) -> Rule:
+    try:
+        pattern, layers, _ = COMPONENTS[component]
+    except KeyError:
+        raise ValueError(f"unknown component {component!r}; components: {', '.join(COMPONENTS)}") from None
+    return Rule(pattern, bits, group_size, layers)
+
+
+def only(component: str, bits: int, group_size: int = 64) -> Recipe:
+    """Only `component` quantized, everything else in full precision."""
+    return Recipe(f"only-{component}-w{bits}g{group_size}", None, group_size,
+                  (rule(component, bits, group_size),),
+                  f"only {component} at {bits} bits")  # fmt: skip
+
+
+def all_but(component: str, bits: int, group_size: int = 64) -> Recipe:
+    """Everything quantized except `component`."""
+    return Recipe(f"all-but-{component}-w{bits}g{group_size}", bits, group_size,
+                  (rule(component, None),), f"all but {component} at {bits} bits")  # fmt: skip
+
+
+def protect(components: list[str], bits: int, group_size: int, keep_bits: int | None) -> Recipe:
+    """All at `bits` except `components`, which stay at `keep_bits` (None: full precision)."""
+    keep = "bf16" if keep_bits is None else f"w{keep_bits}"
+    name = f"w{bits}g{group_size}" + "".join(f"+{c}-{keep}" for c in components)
+    rules = tuple(rule(c, keep_bits, group_size) for c in components)
+    return Recipe(name, bits, group_size, rules,
+                  f"all at {bits} bits; {', '.join(components) or 'nothing'} at {keep}")  # fmt: skip
+
+
+def component_paths(model, component: str) -> list[str]:
+    from .loading import quantizable_modules
+
+    r = rule(component, 8)
+    n = model.config.talker_config.num_hidden_layers
+    return sorted(p for p, _ in quantizable_modules(model) if r.matches(p, n))

@@ -1,0 +1,225 @@
+"""Loading a resolved model: hub download or local directory, quantize-on-load with a disk cache.
+
+A full-precision checkpoint plus a quantized variant is converted once and cached under a key
+made of the source's content digest and the recipe, so the next load is a plain load.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from qwen3_tts_engine.log import logger
+
+from .recipes import ALWAYS_SKIPPED, Recipe, quantization_plan
+from .variants import ModelSource
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("QWEN3_TTS_CACHE", "~/.cache/qwen3-tts")).expanduser()
+
+
+def fetch(source: ModelSource) -> Path:
+    """Local directory of the checkpoint; hub ids are downloaded (with progress bars)."""
+    if source.local:
+        return Path(source.source)
+    from mlx_audio.utils import get_model_path
+
+    try:
+        return Path(get_model_path(source.source))
+    except Exception as e:  # huggingface_hub raises many types when offline
+        raise RuntimeError(
+            f"cannot download {source.source!r} ({type(e).__name__}: {e}). Without a network, "
+            "pass a local checkpoint directory, e.g. one made by `qwen3-tts tiny-checkpoint DIR`"
+        ) from e
+
+
+def source_digest(path: Path) -> str:
+    """sha256 over config.json and the root weight files (names and bytes).
+
+    Cached per process while the files stay the same files (checkpoints are GBs): the key has
+    the change time and inode besides the modification time, because copies that keep
+    timestamps (`cp -p`, `rsync -t`) can put other weights behind the same mtime.
+    """
+    files = sorted([path / "config.json", *path.glob("*.safetensors")])
+    stats = [f.stat() for f in files]
+    return _digest(tuple(str(f.resolve()) for f in files),
+                   tuple((s.st_mtime_ns, s.st_ctime_ns, s.st_ino, s.st_size) for s in stats))  # fmt: skip
+
+
+@functools.lru_cache(maxsize=16)
+def _digest(files: tuple[str, ...], stamps: tuple[tuple[int, ...], ...]) -> str:
+    h = hashlib.sha256()
+    for f in map(Path, files):
+        h.update(f.name.encode())
+        with f.open("rb") as fh:
+            while block := fh.read(1 << 22):
+                h.update(block)
+    return h.hexdigest()
+
+
+def recipe_digest(recipe: Recipe) -> str:
+    return hashlib.sha256(repr(recipe).encode()).hexdigest()[:12]
+
+
+def quantized_cache_dir(src: Path, recipe: Recipe) -> Path:
+    return cache_root() / "quantized" / f"{source_digest(src)[:16]}-{recipe.name}-{recipe_digest(recipe)}"
+
+
+def load_full_precision(src: Path):
+    """A full-precision checkpoint as an mlx-audio Model (weights only: no tokenizers)."""
+    from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
+    from mlx_audio.utils import load_weights
+
+    config = json.loads((src / "config.json").read_text())
+    if config.get("quantization"):
+        raise ValueError(f"{src} is already quantized; quantize a full-precision checkpoint")
+    model = Model(ModelConfig.from_dict(config))
+    model.load_weights(list(model.sanitize(load_weights(src)).items()))
+    return model
+
+
+def quantizable_modules(model) -> list[tuple[str, int]]:
+    """(path, input width) of every module a recipe could quantize, including modules already
+    quantized (by GPTQ), whose packed weight is bits/32 as wide as their input."""
+    return [
+        (path, m.weight.shape[-1] * 32 // m.bits if hasattr(m, "bits") else m.weight.shape[-1])
+        for path, m in model.named_modules()
+        if (hasattr(m, "to_quantized") or hasattr(m, "bits")) and hasattr(m, "weight")
+        and not any(s in path for s in ALWAYS_SKIPPED)
+    ]  # fmt: skip
+
+
+def recipe_plan(model, recipe: Recipe) -> dict[str, tuple[int, int]]:
+    """Module path -> (bits, group size) that `recipe` gives a model's modules."""
+    return quantization_plan(recipe, quantizable_modules(model), model.config.talker_config.num_hidden_layers)
+
+
+def apply_recipe(model, recipe: Recipe, *, skip: frozenset[str] = frozenset()) -> dict[str, tuple[int, int]]:
+    """Quantize `model` in place (round to nearest) as `recipe` says; returns the plan.
+
+    Paths in `skip` are left alone (e.g. already quantized by GPTQ) but stay in the plan.
+    """
+    import mlx.nn as nn
+
+    plan = recipe_plan(model, recipe)
+    # Every quantizable module is in the talker (ALWAYS_SKIPPED); quantizing only that subtree
+    # also works on a loaded model, whose tokenizer attributes nn.quantize cannot walk.
+    if any(not p.startswith("talker.") for p in plan):
+        raise ValueError("recipes quantize modules of the talker only")
+    nn.quantize(
+        model.talker,
+        class_predicate=lambda p, m: (
+            {"bits": plan[f"talker.{p}"][0], "group_size": plan[f"talker.{p}"][1], "mode": "affine"}
+            if f"talker.{p}" in plan and f"talker.{p}" not in skip else False
+        ),
+    )  # fmt: skip
+    return plan
+
+
+def save_quantized(model, src: Path, dst: Path, plan: dict, recipe: Recipe, *,
+                   progress: bool = True, extra: dict | None = None) -> None:  # fmt: skip
+    """Write a quantized `model` made from `src` to `dst` in mlx-audio's checkpoint format:
+    tokenizer and speech-tokenizer files copied, weights saved, and each quantized module
+    recorded in config.json["quantization"] so mixed precision loads with mlx-audio's loader."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from tqdm import tqdm
+
+    if not plan:
+        raise ValueError(f"recipe {recipe.name!r} quantizes no module of {src}")
+    config = json.loads((src / "config.json").read_text())
+    # A model from mlx-audio's loader also holds the vocoder, which lives in speech_tokenizer/.
+    weights = {k: v for k, v in tree_flatten(model.parameters()) if not k.startswith("speech_tokenizer.")}
+    for key in tqdm(list(weights), desc=f"quantizing ({recipe.name})", unit="tensor",
+                    disable=not progress, leave=False):  # fmt: skip
+        mx.eval(weights[key])
+
+    tmp = dst.with_name(dst.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for item in src.iterdir():
+        if item.name == "config.json" or (item.is_file() and item.name.endswith(
+                (".safetensors", ".safetensors.index.json"))):  # the weights are rewritten whole
+            continue
+        (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
+    mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+    first_bits, first_group = next(iter(plan.values()))
+    config["quantization"] = {
+        "group_size": recipe.default_group_size if recipe.default_bits else first_group,
+        "bits": recipe.default_bits or first_bits,
+        "mode": "affine",
+        **{p: {"bits": b, "group_size": g} for p, (b, g) in plan.items()},
+    }
+    config["qwen3_tts_recipe"] = recipe.name
+    config.update(extra or {})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.rmtree(dst, ignore_errors=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, dst)
+
+
+def quantize_checkpoint(src: Path, dst: Path, recipe: Recipe, *, progress: bool = True) -> dict:
+    """Write `src` quantized with `recipe` (round to nearest) to `dst`; returns the plan.
+
+    Mirrors `mlx_audio.convert`: build the model, sanitize and load the weights, quantize the
+    planned modules, save in mlx-audio's format.
+    """
+    model = load_full_precision(src)
+    plan = apply_recipe(model, recipe)
+    save_quantized(model, src, dst, plan, recipe, progress=progress)
+    return plan
+
+
+def prepare(source: ModelSource, *, progress: bool = True) -> tuple[Path, bool]:
+    """Directory to load for `source` (quantizing into the cache when needed); True if cached."""
+    path = fetch(source)
+    if source.quantize_with is None:
+        return path, False
+    dst = quantized_cache_dir(path, source.quantize_with)
+    if (dst / "config.json").is_file():
+        return dst, True
+    t0 = time.perf_counter()
+    plan = quantize_checkpoint(path, dst, source.quantize_with, progress=progress)
+    logger.info(
+        "quantized %s with %s (%d modules) in %.1fs -> %s",
+        path, source.quantize_with.name, len(plan), time.perf_counter() - t0, dst,
+    )  # fmt: skip
+    return dst, False
+
+
+def load(source: ModelSource, *, progress: bool = True):
+    """Load the mlx-audio model for `source`. Returns (model, details)."""
+    from mlx_audio.tts.utils import load_model
+
+    t0 = time.perf_counter()
+    path, cached = prepare(source, progress=progress)
+    # mlx-audio prints progress to stdout; keep stdout clean for `--json` output.
+    with contextlib.redirect_stdout(sys.stderr):
+        model = load_model(path)
+    if model.tokenizer is None or model.speech_tokenizer is None:
+        raise RuntimeError(f"{path}: the text tokenizer or speech tokenizer failed to load")
+    return model, {
+        "path": str(path),
+        "from_cache": cached,
+        "quantized_on_load": source.quantize_with is not None and not cached,
+        "load_s": time.perf_counter() - t0,
+    }
+
+
+def quantized_modules(model) -> dict[str, int]:
+    """Module path -> bits for every quantized module of a loaded model."""
+    import mlx.nn as nn
+
+    return {
+        path: m.bits
+        for path, m in model.named_modules()
+        if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+    }

@@ -1,0 +1,218 @@
+"""Quantization recipes as data: module-path rules mapped to bits and group size.
+
+A recipe is matched against a model's module paths by a pure function, so what gets quantized
+(and at how many bits) is testable without loading weights.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VALID_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs in "affine" mode
+VALID_GROUP_SIZES = (32, 64, 128)
+
+# mlx-audio keeps these unquantized in every published checkpoint (Model.model_quant_predicate).
+ALWAYS_SKIPPED = ("codec_embedding", "text_embedding", "speech_tokenizer", "speaker_encoder")
+
+_LAYER_RE = re.compile(r"^talker\.model\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One rule: modules whose path matches `pattern` get `bits` (None keeps them unquantized).
+
+    `layers` optionally restricts the rule to talker layers [first, last]; negative values count
+    from the end, so (2, -5) means layers 2..N-5, i.e. 2..23 of the 28-layer talker.
+    """
+
+    pattern: str
+    bits: int | None
+    group_size: int = 64
+    layers: tuple[int, int] | None = None
+
+    def matches(self, path: str, num_talker_layers: int) -> bool:
+        if not re.search(self.pattern, path):
+            return False
+        if self.layers is None:
+            return True
+        m = _LAYER_RE.match(path)
+        if m is None:
+            return False
+        first, last = (i if i >= 0 else num_talker_layers + i for i in self.layers)
+        return first <= int(m.group(1)) <= last
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Rules are tried in order; the first match decides. Unmatched modules get `default_bits`."""
+
+    name: str
+    default_bits: int | None
+    default_group_size: int = 64
+    rules: tuple[Rule, ...] = field(default_factory=tuple)
+    description: str = ""
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.default_bits is not None or any(r.bits is not None for r in self.rules)
+
+    def assign(self, path: str, num_talker_layers: int) -> tuple[int, int] | None:
+        """(bits, group_size) for one quantizable module, or None to keep it in full precision."""
+        if any(s in path for s in ALWAYS_SKIPPED):
+            return None
+        for rule in self.rules:
+            if rule.matches(path, num_talker_layers):
+                return None if rule.bits is None else (rule.bits, rule.group_size)
+        if self.default_bits is None:
+            return None
+        return (self.default_bits, self.default_group_size)
+
+
+def quantization_plan(
+    recipe: Recipe, modules: Iterable[tuple[str, int]], num_talker_layers: int
+) -> dict[str, tuple[int, int]]:
+    """Map each quantizable module path to (bits, group_size).
+
+    `modules` yields (path, input_features) of every Linear/Embedding in the model; a module whose
+    input width is not a multiple of its group size stays unquantized (mlx cannot pack it).
+    """
+    plan: dict[str, tuple[int, int]] = {}
+    for path, in_features in modules:
+        assigned = recipe.assign(path, num_talker_layers)
+        if assigned is not None and in_features % assigned[1] == 0:
+            plan[path] = assigned
+    return plan
+
+
+def _uniform(bits: int) -> Recipe:
+    return Recipe(f"{bits}bit", bits, description=f"every Linear at {bits} bits (affine, group 64)")
+
+
+RECIPES: dict[str, Recipe] = {
+    "bf16": Recipe("bf16", None, description="no quantization"),
+    "8bit": _uniform(8),
+    "6bit": _uniform(6),
+    "4bit": _uniform(4),
+    "talker-mlp-w4": Recipe(
+        "talker-mlp-w4",
+        None,
+        rules=(Rule(r"^talker\.model\.layers\.\d+\.mlp\.(gate|up|down)_proj$", 4, layers=(2, -5)),),
+        description="only the talker's MLP projections in layers 2..N-5 at 4 bits, the rest bf16",
+    ),
+    "keep-code-predictor": Recipe(
+        "keep-code-predictor",
+        4,
+        rules=(Rule(r"^talker\.code_predictor\.", 8),),
+        description="everything at 4 bits except the code predictor at 8 bits",
+    ),
+}
+
+UNIFORM_VARIANTS = ("bf16", "8bit", "6bit", "4bit")
+
+
+def get_recipe(name: str) -> Recipe:
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown variant {name!r}; valid variants: {', '.join(RECIPES)}"
+        ) from None
+
+
+def recipe_to_dict(recipe: Recipe) -> dict:
+    """The recipe as the JSON/YAML a recipe file holds (`recipe_from_dict` reads it back)."""
+    return {
+        "name": recipe.name, "description": recipe.description,
+        "default_bits": recipe.default_bits, "default_group_size": recipe.default_group_size,
+        "rules": [{"pattern": r.pattern, "bits": r.bits, "group_size": r.group_size,
+                   **({"layers": list(r.layers)} if r.layers else {})} for r in recipe.rules],
+    }  # fmt: skip
+
+
+def _bits(value, where: str) -> int | None:
+    if value is None or value in ("bf16", "none"):
+        return None
+    if type(value) is not int or value not in VALID_BITS:
+        raise ValueError(f"{where}: bits must be one of {VALID_BITS} or null (full precision), got {value!r}")
+    return value
+
+
+def _group(value, where: str) -> int:
+    if type(value) is not int or value not in VALID_GROUP_SIZES:
+        raise ValueError(f"{where}: group_size must be one of {VALID_GROUP_SIZES}, got {value!r}")
+    return value
+
+
+def recipe_from_dict(data: dict, *, default_name: str = "custom") -> Recipe:
+    """A recipe from parsed JSON/YAML; every mistake is a ValueError naming the field.
+
+    Rules take a regular expression over module paths (`pattern`) or a named ablation
+    `component` (see `qwen3-tts ablate --help`), optional `layers: [first, last]` (talker layers,
+    negative from the end), `bits` (null keeps full precision) and `group_size`.
+    """
+    if not isinstance(data, dict):
+        raise ValueError(f"a recipe is a mapping, got {type(data).__name__}")
+    unknown = set(data) - {"name", "description", "default_bits", "default_group_size", "rules"}
+    if unknown:
+        raise ValueError(f"unknown recipe field(s): {', '.join(sorted(unknown))}")
+    group = _group(data.get("default_group_size", 64), "default_group_size")
+    rules = []
+    for i, r in enumerate(data.get("rules") or []):
+        where = f"rules[{i}]"
+        if not isinstance(r, dict):
+            raise ValueError(f"{where}: a rule is a mapping")
+        bad = set(r) - {"pattern", "component", "bits", "group_size", "layers"}
+        if bad:
+            raise ValueError(f"{where}: unknown field(s): {', '.join(sorted(bad))}")
+        if ("pattern" in r) == ("component" in r):
+            raise ValueError(f"{where}: give exactly one of `pattern` or `component`")
+        if "bits" not in r:
+            raise ValueError(f"{where}: `bits` is required (null keeps full precision)")
+        bits, gs = _bits(r["bits"], where), _group(r.get("group_size", group), where)
+        layers = r.get("layers")
+        if layers is not None and (not isinstance(layers, list | tuple) or len(layers) != 2
+                                   or not all(type(x) is int for x in layers)):  # fmt: skip
+            raise ValueError(f"{where}: layers must be [first, last] (integers), got {layers!r}")
+        if "component" in r:
+            from .components import rule
+
+            base = rule(r["component"], bits, gs)
+            rules.append(Rule(base.pattern, bits, gs, tuple(layers) if layers else base.layers))
+            continue
+        try:
+            re.compile(r["pattern"])
+        except (re.error, TypeError) as e:
+            raise ValueError(f"{where}: bad pattern {r['pattern']!r}: {e}") from None
+        rules.append(Rule(r["pattern"], bits, gs, tuple(layers) if layers else None))
+    name = data.get("name") or default_name
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", name):
+        raise ValueError(f"recipe name {name!r}: use letters, digits and . _ + -")
+    return Recipe(name, _bits(data.get("default_bits"), "default_bits"), group, tuple(rules),
+                  str(data.get("description", "")))  # fmt: skip
+
+
+def load_recipe(spec: str) -> Recipe:
+    """A built-in recipe by name, or a recipe file (.json, .yaml, .yml)."""
+    if spec in RECIPES:
+        return RECIPES[spec]
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{spec!r} is neither a built-in recipe ({', '.join(RECIPES)}) nor a recipe file")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # yaml.YAMLError / json.JSONDecodeError
+        raise ValueError(f"{path}: cannot parse recipe: {e}") from None
+    try:
+        return recipe_from_dict(data, default_name=path.stem)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None

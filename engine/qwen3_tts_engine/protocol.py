@@ -1,0 +1,323 @@
+"""The streaming speech protocol shared by the client plugin and the engine server.
+
+`POST /v1/audio/speech` takes OpenAI's fields plus vLLM-Omni's Qwen3-TTS fields; this module
+validates a request body into a `SpeechRequest` (pure, no I/O) and names the audio constants.
+"""
+
+from __future__ import annotations
+
+import math
+import unicodedata
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+SAMPLE_RATE = 24000
+FRAME_RATE = 12.5
+FRAME_SAMPLES = 1920  # one 80 ms codec frame at 24 kHz
+CHUNK_FRAMES = 4  # a 4-token chunk: 320 ms, 7680 samples
+BYTES_PER_SAMPLE = 2  # s16le mono
+
+# Response headers the engine sets; the client reads them.
+HEADER_VARIANT = "X-Qwen3-TTS-Variant"
+HEADER_MODEL = "X-Qwen3-TTS-Model"
+HEADER_SAMPLE_RATE = "X-Sample-Rate"
+HEADER_REQUEST_ID = "X-Request-Id"
+
+LANGUAGES = (
+    "auto", "chinese", "english", "japanese", "korean", "german",
+    "french", "russian", "portuguese", "spanish", "italian",
+)  # fmt: skip
+_LANGUAGE_ALIASES = {
+    "en": "english", "en-us": "english", "en-gb": "english", "eng": "english",
+    "zh": "chinese", "zh-cn": "chinese", "cmn": "chinese", "mandarin": "chinese",
+    "ja": "japanese", "jp": "japanese", "ko": "korean", "de": "german", "fr": "french",
+    "ru": "russian", "pt": "portuguese", "pt-br": "portuguese", "es": "spanish",
+    "it": "italian",
+}  # fmt: skip
+TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base"}
+RESPONSE_FORMATS = ("pcm", "wav")
+
+
+class RequestError(ValueError):
+    """A client error: becomes a 4xx answer with an OpenAI-style JSON body."""
+
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+    def to_json(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param,
+                          "code": self.status}}  # fmt: skip
+
+
+def normalize_language(value: str | None) -> str:
+    """Full lower-case language name for Qwen3-TTS ("en" -> "english"); "auto" when unset."""
+    if value is None or value == "":
+        return "auto"
+    key = value.strip().lower().replace("_", "-")
+    key = _LANGUAGE_ALIASES.get(key, key)
+    if key not in LANGUAGES:
+        raise RequestError(
+            f"unknown language {value!r}; use one of {', '.join(LANGUAGES)} or a code such as 'en'",
+            param="language",
+        )
+    return key
+
+
+@dataclass
+class Limits:
+    max_input_chars: int = 4000
+    max_new_tokens: int = 4096
+    max_ref_audio_bytes: int = 8 * 1024 * 1024
+
+
+@dataclass
+class SpeechRequest:
+    input: str
+    model: str | None = None
+    voice: str | None = None
+    response_format: str = "wav"
+    stream: bool = False
+    task_type: str | None = None  # custom_voice | voice_design | base
+    language: str = "auto"
+    instructions: str | None = None
+    ref_audio: str | None = None  # base64 / data URI, or a file under the allow-listed directory
+    ref_text: str | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    variant: str | None = None
+    first_chunk_frames: int = CHUNK_FRAMES
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _opt(body: dict, key: str, kinds: tuple[type, ...], what: str) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    # bool is an int subclass: never accept it where a number is meant.
+    if isinstance(value, bool) and bool not in kinds:
+        raise RequestError(f"{key} must be {what}", param=key)
+    if not isinstance(value, kinds):
+        raise RequestError(f"{key} must be {what}", param=key)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RequestError(f"{key} must be a finite number", param=key)
+    return value
+
+
+def has_speakable_text(text: str) -> bool:
+    """True when `text` holds a character that is not a control, format (zero-width, BOM),
+    separator or space character: input of only those makes no speech, only noise."""
+    return any(unicodedata.category(c)[0] not in "CZ" for c in text)
+
+
+def _text(body: dict, key: str, max_len: int) -> str | None:
+    value = _opt(body, key, (str,), "a string")
+    if value is not None and len(value) > max_len:
+        raise RequestError(f"{key} is longer than {max_len} characters", param=key)
+    return value
+
+
+def _in_range(key: str, value: float | int | None, lo: float, hi: float) -> None:
+    if value is not None and not (lo <= value <= hi):
+        raise RequestError(f"{key} must be between {lo} and {hi}", param=key)
+
+
+def parse_speech_request(body: Any, limits: Limits | None = None) -> SpeechRequest:
+    """Validate a decoded JSON body. Raises RequestError with the offending field."""
+    limits = limits or Limits()
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+
+    text = _opt(body, "input", (str,), "a string")
+    if text is None or not text.strip():
+        raise RequestError("input must be a non-empty string", param="input")
+    if not has_speakable_text(text):
+        raise RequestError("input has no speakable text (only control or zero-width characters)",
+                           param="input")  # fmt: skip
+    if len(text) > limits.max_input_chars:
+        raise RequestError(
+            f"input is longer than {limits.max_input_chars} characters; split it", param="input"
+        )
+
+    fmt = _opt(body, "response_format", (str,), "a string") or "wav"
+    if fmt not in RESPONSE_FORMATS:
+        raise RequestError(
+            f"response_format {fmt!r} is not supported; use one of {', '.join(RESPONSE_FORMATS)}",
+            param="response_format",
+        )
+    stream = _opt(body, "stream", (bool,), "true or false") or False
+
+    task = _opt(body, "task_type", (str,), "a string")
+    if task is not None:
+        if task not in TASK_TYPES and task not in TASK_TYPES.values():
+            raise RequestError(
+                f"task_type must be one of {', '.join(TASK_TYPES)}", param="task_type"
+            )
+        task = TASK_TYPES.get(task, task)
+
+    speed = _opt(body, "speed", (int, float), "a number")
+    if speed is not None and speed != 1.0:
+        raise RequestError("speed other than 1.0 is not supported by Qwen3-TTS", param="speed")
+
+    max_new = _opt(body, "max_new_tokens", (int,), "an integer")
+    _in_range("max_new_tokens", max_new, 1, limits.max_new_tokens)
+    temperature = _opt(body, "temperature", (int, float), "a number")
+    _in_range("temperature", temperature, 0.0, 2.0)
+    top_k = _opt(body, "top_k", (int,), "an integer")
+    _in_range("top_k", top_k, 0, 4096)
+    top_p = _opt(body, "top_p", (int, float), "a number")
+    _in_range("top_p", top_p, 0.0, 1.0)
+    rep = _opt(body, "repetition_penalty", (int, float), "a number")
+    _in_range("repetition_penalty", rep, 1.0, 3.0)
+    seed = _opt(body, "seed", (int,), "an integer")
+    _in_range("seed", seed, 0, 2**32 - 1)
+    first = _opt(body, "first_chunk_frames", (int,), "an integer")
+    if first is not None and first not in (1, 2, CHUNK_FRAMES):
+        raise RequestError("first_chunk_frames must be 1, 2 or 4", param="first_chunk_frames")
+
+    ref_audio = _opt(body, "ref_audio", (str,), "a string")
+    if ref_audio is not None and len(ref_audio) > limits.max_ref_audio_bytes * 4 // 3 + 64:
+        raise RequestError("ref_audio is too large", param="ref_audio", status=413)
+
+    return SpeechRequest(
+        input=text,
+        model=_text(body, "model", 256),
+        voice=_text(body, "voice", 64),
+        response_format=fmt,
+        stream=stream,
+        task_type=task,
+        language=normalize_language(_opt(body, "language", (str,), "a string")),
+        instructions=_text(body, "instructions", 1000),
+        ref_audio=ref_audio,
+        ref_text=_text(body, "ref_text", limits.max_input_chars),
+        max_new_tokens=max_new,
+        temperature=None if temperature is None else float(temperature),
+        top_k=top_k,
+        top_p=None if top_p is None else float(top_p),
+        repetition_penalty=None if rep is None else float(rep),
+        seed=seed,
+        variant=_text(body, "variant", 64),
+        first_chunk_frames=first or CHUNK_FRAMES,
+    )
+
+
+def default_max_new_tokens(text: str) -> int:
+    """A generous cap from the text length so that runaway generations end.
+
+    Speech runs at roughly 12-15 characters per second, i.e. about one 80 ms frame per
+    character; 2.5 frames per character plus 3 s of slack covers slow, expressive speech.
+    """
+    return min(4096, math.ceil(len(text) * 2.5) + 40)
+
+
+# -- response bodies of the operator endpoints (typed; `to_json` is what goes on the wire) ------
+
+
+def _from(cls, data: Any):
+    """A dataclass from a JSON object, ignoring unknown keys (newer servers may add fields)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class ReadyStatus:
+    """`GET /ready` (200 when ready, else 503)."""
+
+    ready: bool
+    variant: str | None
+    state: str
+    queue_depth: int
+    swapping: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ModelCard:
+    """One entry of `GET /v1/models`."""
+
+    id: str
+    tts_model_type: str | None
+    voices: list[str]
+    languages: list[str]
+    variants: list[str]
+    active_variant: str | None
+    sample_rate: int = SAMPLE_RATE
+    object: str = "model"
+    owned_by: str = "qwen3-tts"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class HandlerStatus:
+    """One handler (one worker process, one variant) in `GET /v1/engine/status`."""
+
+    name: str
+    variant: str | None
+    state: str  # starting | ready | draining | failed | stopped
+    pid: int | None
+    active: bool
+    retiring: bool
+    queue_depth: int  # waiting + in flight
+    waiting: int
+    restarts: int
+    last_stats: dict | None
+    memory: dict
+    info: dict
+    quantized_modules: int
+
+
+@dataclass
+class EngineStatus:
+    """`GET /v1/engine/status`: the handlers, and the governor's state when one runs (its
+    `policy` then holds the thresholds: `upgrade_at`, `critical_at`, ...)."""
+
+    model: str
+    active_variant: str | None
+    serving: bool
+    waiting_for_swap: int
+    handlers: list[HandlerStatus]
+    governor: dict | None = None
+
+    @property
+    def queue_depth(self) -> int:
+        return sum(h.queue_depth for h in self.handlers)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> EngineStatus:
+        status = _from(cls, data)
+        status.handlers = [_from(HandlerStatus, h) for h in status.handlers or []]
+        return status
+
+
+@dataclass
+class VariantChange:
+    """`POST /v1/engine/variant`'s answer: what serves now, the pin, the swap record if any."""
+
+    active_variant: str | None
+    pinned: str | None
+    swap: dict | None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> VariantChange:
+        return _from(cls, data)

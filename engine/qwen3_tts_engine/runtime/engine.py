@@ -1,0 +1,187 @@
+"""The engine core: the handlers of one voice model by variant, request routing, and the
+hold / route_to / forget / resume steps a variant swap goes through."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from qwen3_tts_engine.log import logger
+from qwen3_tts_engine.models.recipes import RECIPES
+from qwen3_tts_engine.protocol import RequestError, SpeechRequest
+
+from .handler import AudioChunk, Handler, HandlerDraining, HandlerError, Result
+
+
+class Engine:
+    """The handlers of one voice model, by variant; `active` serves requests that name none.
+
+    Swaps (the governor's) go through `hold`, `route_to` and `forget`: during a break-before-make
+    swap no handler takes new work and requests wait in `acquire()` until the next one serves;
+    a handler replaced by a make-before-break swap finishes its utterances in `retiring`.
+    """
+
+    def __init__(self, model: str, handlers: list[Handler], *, wait_timeout: float = 1800.0) -> None:
+        if not handlers:
+            raise ValueError("an engine needs at least one handler")
+        self.model = model
+        self.handlers: dict[str, Handler] = {}
+        self._order = handlers
+        self.active: Handler = handlers[0]
+        self.retiring: list[Handler] = []
+        self.info: dict = {}  # model info (voices, languages): the same for every variant
+        self.pending_variant: str | None = None  # what a break-before-make swap is loading
+        self.wait_timeout = wait_timeout
+        self.gap_waiting = 0
+        self._serving = asyncio.Event()
+
+    async def start(self) -> None:
+        for h in self._order:
+            await h.start()
+            self.handlers[h.variant] = h
+        self.active = self._order[0]
+        self.info = self.active.info
+        self._serving.set()
+
+    async def stop(self) -> None:
+        for h in [*self.handlers.values(), *self.retiring]:
+            await h.stop(drain=False)
+
+    @property
+    def serving(self) -> bool:
+        """False while a break-before-make swap is between handlers."""
+        return self._serving.is_set()
+
+    def all_handlers(self) -> list[Handler]:
+        """The active handler first, then the other loaded ones, then those being retired."""
+        others = [h for h in self.handlers.values() if h is not self.active]
+        return [self.active, *others, *(h for h in self.retiring if h is not self.active)]
+
+    def model_names(self) -> set[str]:
+        base = self.model.rstrip("/").split("/")[-1]
+        return {self.model, base, "qwen3-tts", "tts-1", "tts-1-hd"}
+
+    def _check_names(self, req: SpeechRequest) -> None:
+        if req.model is not None and req.model not in self.model_names():
+            raise RequestError(f"model {req.model!r} is not served here; this engine serves "
+                               f"{self.model!r}", param="model", status=404)  # fmt: skip
+        if req.variant is not None and req.variant not in RECIPES:
+            raise RequestError(f"unknown variant {req.variant!r}; valid variants: "
+                               f"{', '.join(RECIPES)}", param="variant")  # fmt: skip
+
+    def pick(self, req: SpeechRequest) -> Handler:
+        """The handler for `req` right now (the active one unless it names a variant)."""
+        self._check_names(req)
+        if req.variant is None:
+            return self.active
+        handler = self.handlers.get(req.variant)
+        if handler is None:
+            raise RequestError(f"variant {req.variant!r} is not loaded; loaded: "
+                               f"{', '.join(self.handlers)}", param="variant")  # fmt: skip
+        return handler
+
+    def validate(self, req: SpeechRequest) -> None:
+        """Reject, before any waiting, what no handler here can serve."""
+        self._check_names(req)
+        if req.variant is not None and req.variant != self.pending_variant:
+            check_against_model(req, self.pick(req).info)
+        else:
+            check_against_model(req, self.info)
+
+    async def acquire(self, req: SpeechRequest) -> Handler:
+        """The handler for `req`, waiting while a break-before-make swap is between handlers."""
+        if req.variant is not None and req.variant != self.pending_variant:
+            return self.pick(req)
+        if not self._serving.is_set():
+            if self.gap_waiting >= self.active.max_queue:
+                raise RequestError(f"{self.gap_waiting} requests are already waiting for a "
+                                   "variant swap", status=429)  # fmt: skip
+            self.gap_waiting += 1
+            try:
+                await asyncio.wait_for(self._serving.wait(), self.wait_timeout)
+            except TimeoutError:
+                raise RequestError("no variant came back into service", status=503) from None
+            finally:
+                self.gap_waiting -= 1
+        if self.active.state == "stopped":
+            raise RequestError("no variant is loaded (a swap failed)", status=503)
+        return self.pick(req)
+
+    async def stream(
+        self, req: SpeechRequest, *, ref_audio: bytes | None = None, result: Result | None = None
+    ) -> AsyncIterator[AudioChunk]:
+        """Chunks for `req` from the right handler; a request that a handler let go before it
+        started (the handler is being swapped out) is routed to the next one, never dropped."""
+        result = result if result is not None else Result()
+        t0 = time.perf_counter()
+        for _ in range(8):
+            handler = await self.acquire(req)
+            waited = time.perf_counter() - t0
+            chunks = handler.synthesize(req, ref_audio=ref_audio, result=result)
+            try:
+                async with contextlib.aclosing(chunks):
+                    async for chunk in chunks:
+                        if chunk.index == 0:  # count the wait for a swap as queue wait
+                            result.queue_wait_s += waited
+                            result.first_audio_s = (result.first_audio_s or 0.0) + waited
+                        yield chunk
+                return
+            except HandlerDraining:
+                if result.first_audio_s is not None:
+                    raise
+                logger.debug("request moved off draining handler %s", handler.name)
+        raise HandlerError("no handler would take the request (swaps kept replacing them)")
+
+    # -- swap primitives (the governor's) ---------------------------------------------------
+
+    def hold(self, target: str) -> None:
+        """Break before make: new requests wait until `route_to` names the next handler."""
+        self.pending_variant = target
+        self._serving.clear()
+
+    def route_to(self, new: Handler, old: Handler | None = None) -> None:
+        """New requests go to `new`; `old` (still working) moves to `retiring`."""
+        if old is not None:
+            if self.handlers.get(old.variant) is old:
+                del self.handlers[old.variant]
+            if old.state != "stopped" and old not in self.retiring:
+                self.retiring.append(old)
+        self.handlers[new.variant] = new
+        self.active = new
+        self.info = new.info or self.info
+        self.pending_variant = None
+        self._serving.set()
+
+    def forget(self, handler: Handler) -> None:
+        """A retired handler has stopped: it leaves the engine."""
+        if handler in self.retiring:
+            self.retiring.remove(handler)
+
+    def resume(self) -> None:
+        """End a gap without a new handler (a failed swap): waiting requests get an answer."""
+        self.pending_variant = None
+        self._serving.set()
+
+
+def check_against_model(req: SpeechRequest, info: dict) -> None:
+    """Reject, before any audio is sent, what the loaded model cannot do."""
+    kind = info.get("tts_model_type")
+    if req.task_type is not None and req.task_type != kind:
+        raise RequestError(f"task_type {req.task_type!r} does not match this model ({kind})",
+                           param="task_type")  # fmt: skip
+    voices = info.get("voices", [])
+    if kind == "custom_voice" and req.voice is not None and req.voice.lower() not in voices:
+        raise RequestError(f"unknown voice {req.voice!r}; voices: {', '.join(voices)}", param="voice")
+    if kind == "voice_design" and not req.instructions:
+        raise RequestError("a VoiceDesign model needs `instructions`", param="instructions")
+    if kind == "base" and req.voice is not None and req.voice.lower() not in voices:
+        raise RequestError("Base models have no preset voices; send ref_audio instead", param="voice")
+    if req.language not in info.get("languages", [req.language]):
+        raise RequestError(f"language {req.language!r} is not supported by this model; "
+                           f"languages: {', '.join(info['languages'])}", param="language")  # fmt: skip
+    if req.ref_text and not req.ref_audio:
+        raise RequestError("ref_text needs ref_audio", param="ref_text")
+    if req.ref_audio and kind != "base":
+        raise RequestError("ref_audio needs a Base model", param="ref_audio")

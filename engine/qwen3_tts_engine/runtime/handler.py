@@ -1,0 +1,374 @@
+"""A handler: one loaded model in one precision, in its own worker process, as an async unit.
+
+It is started (load + warm-up), serves one synthesis at a time with a FIFO queue whose wait is
+measured, can be drained and stopped, and restarts its worker when that dies. The governor swaps
+handlers; the server routes requests to them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from qwen3_tts_engine.log import logger
+from qwen3_tts_engine.protocol import SpeechRequest
+
+from .worker import worker_main
+
+_ids = itertools.count(1)
+
+
+class HandlerError(RuntimeError):
+    """Synthesis failed for a reason that is not the client's (worker died, load failed)."""
+
+
+class HandlerDraining(HandlerError):
+    """The handler stopped taking work before this request started: route it to another one."""
+
+
+class RequestRejected(ValueError):
+    """The model cannot serve this request (unknown voice...): a client error."""
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+@dataclass
+class AudioChunk:
+    pcm: bytes  # s16le, 24 kHz mono
+    frames: int
+    compute_s: float
+    index: int
+
+
+@dataclass
+class Result:
+    """Filled in while a synthesis runs; complete once its stream ends."""
+
+    queue_wait_s: float = 0.0
+    first_audio_s: float | None = None
+    stats: dict | None = None
+    variant: str | None = None
+
+
+class Handler:
+    def __init__(
+        self,
+        model: str,
+        variant: str | None = None,
+        *,
+        warmup: bool = True,
+        max_queue: int = 32,
+        restart: bool = True,
+        load_timeout: float = 1800.0,
+    ) -> None:
+        self.model = model
+        self.requested_variant = variant
+        self.warmup = warmup
+        self.max_queue = max_queue
+        self.restart = restart
+        self.load_timeout = load_timeout
+        self.name = f"{model}:{variant or 'default'}#{next(_ids)}"
+        self.state = "stopped"  # starting | ready | draining | failed | stopped
+        self.info: dict = {}
+        self.restarts = 0
+        self.last_stats: dict | None = None  # the worker's stats of the last finished synthesis
+        self.history: collections.deque[dict] = collections.deque(maxlen=256)  # recent stats
+        self.waiting = 0
+        self.in_flight = 0
+        self._lock = asyncio.Lock()  # FIFO: one synthesis at a time
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._ready = asyncio.Event()
+        self._draining = asyncio.Event()  # set by drain()/stop(): queued requests leave
+        self._proc: mp.process.BaseProcess | None = None
+        self._conn = None
+        self._inbox: asyncio.Queue = asyncio.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._restart_task: asyncio.Task | None = None
+        self._stopping = False
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def sibling(self, variant: str | None) -> Handler:
+        """A new, unstarted handler of the same model and options in `variant` (for swaps)."""
+        return Handler(self.model, variant, warmup=self.warmup, max_queue=self.max_queue,
+                       restart=self.restart, load_timeout=self.load_timeout)  # fmt: skip
+
+    @property
+    def variant(self) -> str | None:
+        return self.info.get("variant", self.requested_variant)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def queue_depth(self) -> int:
+        return self.waiting + self.in_flight
+
+    async def start(self) -> dict:
+        """Spawn the worker, load and warm the model; returns the worker's info."""
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._draining.clear()
+        self.state = "starting"
+        self._ready.clear()
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        spec = {"model": self.model, "variant": self.requested_variant, "warmup": self.warmup}
+        self._proc = ctx.Process(target=worker_main, args=(child, spec), daemon=True,
+                                 name=f"qwen3-tts-worker {self.name}")  # fmt: skip
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        self._inbox = asyncio.Queue()
+        threading.Thread(target=self._read, args=(parent, self._inbox, self._proc),
+                         daemon=True).start()  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            msg = await asyncio.wait_for(self._inbox.get(), self.load_timeout)
+        except TimeoutError:
+            self._kill()
+            self.state = "failed"
+            raise HandlerError(f"{self.name}: loading took longer than {self.load_timeout}s") from None
+        if msg[0] != "ready":
+            self._kill()
+            self.state = "failed"
+            detail = msg[1] if msg[0] == "failed" else f"worker exited ({msg[1]})"
+            raise HandlerError(f"{self.name}: could not load {self.model!r}: {detail}")
+        self.info = {**msg[1], "start_s": time.perf_counter() - t0, "pid": self._proc.pid}
+        self.state = "ready"
+        self._ready.set()
+        logger.info("handler %s ready (variant %s, pid %s, %.1fs)", self.name, self.variant,
+                    self._proc.pid, self.info["start_s"])  # fmt: skip
+        return self.info
+
+    def _read(self, conn, inbox: asyncio.Queue, proc) -> None:
+        """Reader thread: forwards worker messages to the event loop; EOF means the worker died."""
+        loop = self._loop
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                proc.join(timeout=5)
+                loop.call_soon_threadsafe(inbox.put_nowait, ("died", proc.exitcode))
+                return
+            loop.call_soon_threadsafe(inbox.put_nowait, msg)
+
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=10)
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Stop taking new work; wait for the in-flight synthesis to finish. Queued requests
+        that have not started leave with HandlerDraining (the engine routes them elsewhere)."""
+        if self.state == "ready":
+            self.state = "draining"
+        self._draining.set()
+        t_end = None if timeout is None else time.monotonic() + timeout
+        while self.queue_depth:
+            remaining = None if t_end is None else max(0.0, t_end - time.monotonic())
+            try:
+                await asyncio.wait_for(self._idle.wait(), remaining)
+            except TimeoutError:
+                logger.warning("handler %s: drain deadline passed with %d requests in flight",
+                               self.name, self.queue_depth)  # fmt: skip
+                return
+
+    async def stop(self, *, drain: bool = True, timeout: float | None = None,
+                   grace: float = 10.0) -> None:  # fmt: skip
+        """Drain (optionally), then end the worker process so its memory returns to the system;
+        a worker still busy after `grace` seconds is killed."""
+        if drain:
+            await self.drain(timeout)
+        self._stopping = True
+        self._draining.set()
+        if self._restart_task:
+            self._restart_task.cancel()
+        if self._conn is not None and self._proc is not None and self._proc.is_alive():
+            try:
+                self._conn.send(("stop",))
+            except OSError:
+                pass
+            await asyncio.to_thread(self._proc.join, grace)
+        self._kill()
+        self.state = "stopped"
+        self._ready.clear()
+
+    async def memory(self) -> dict:
+        """Worker memory: RSS from the OS plus mlx's own counters from the last report."""
+        import psutil
+
+        out = dict(self.info.get("memory", {}))
+        if self._proc is not None and self._proc.is_alive():
+            try:
+                out["rss_bytes"] = psutil.Process(self._proc.pid).memory_info().rss
+            except psutil.Error:
+                pass
+        return out
+
+    def _on_death(self, exitcode) -> None:
+        self.state = "failed"
+        self._ready.clear()
+        logger.error("handler %s: worker died (exit code %s)", self.name, exitcode)
+        if self.restart and not self._stopping:
+            self._restart_task = asyncio.ensure_future(self._restart())
+
+    async def _restart(self) -> None:
+        self.restarts += 1
+        try:
+            await self.start()
+        except HandlerError as e:
+            logger.error("handler %s: restart failed: %s", self.name, e)
+
+    # -- synthesis ---------------------------------------------------------------------------
+
+    async def synthesize(
+        self, req: SpeechRequest, *, ref_audio: bytes | None = None, result: Result | None = None
+    ) -> AsyncIterator[AudioChunk]:
+        """Stream audio chunks for `req`. Closing the iterator early cancels the synthesis."""
+        if self.state in ("draining", "stopped"):
+            raise HandlerDraining(f"handler {self.name} is {self.state}")
+        if self.waiting >= self.max_queue:
+            raise QueueFull(f"{self.waiting} requests are already waiting")
+        result = result if result is not None else Result()
+        t0 = time.perf_counter()
+        self.waiting += 1
+        self._idle.clear()
+        try:
+            try:
+                await self._take_turn()
+            finally:
+                self.waiting -= 1
+            self.in_flight += 1
+            try:
+                await asyncio.wait_for(self._ready.wait(), self.load_timeout)
+                result.queue_wait_s = time.perf_counter() - t0
+                result.variant = self.variant
+                # aclosing: an abandoned stream cancels the worker's synthesis and waits for its
+                # acknowledgement before the lock passes on (not later, when it is collected).
+                async with contextlib.aclosing(self._run(req, ref_audio, result, t0)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+            finally:
+                self.in_flight -= 1
+                self._lock.release()
+        finally:
+            if self.queue_depth == 0:
+                self._idle.set()
+
+    async def _take_turn(self) -> None:
+        """Wait for the FIFO lock; leave the queue with HandlerDraining as soon as the handler
+        drains, so a swap's new handler serves queued requests without waiting for this one."""
+        acquire = asyncio.ensure_future(self._lock.acquire())
+        leave = asyncio.ensure_future(self._draining.wait())
+        try:
+            await asyncio.wait({acquire, leave}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled while queued (client went away)
+            leave.cancel()
+            if not acquire.cancel() and not acquire.cancelled() and acquire.exception() is None:
+                self._lock.release()  # it was granted in the meantime
+            raise
+        leave.cancel()
+        if acquire.cancel():  # still queued: a cancelled acquire never takes the lock
+            raise HandlerDraining(f"handler {self.name} is {self.state}")
+        if self.state in ("draining", "stopped"):
+            self._lock.release()
+            raise HandlerDraining(f"handler {self.name} is {self.state}")
+
+    async def _run(self, req, ref_audio, result: Result, t0: float) -> AsyncIterator[AudioChunk]:
+        req_id = f"r{next(_ids)}"
+        while not self._inbox.empty():  # stale messages of an earlier, abandoned request
+            stale = self._inbox.get_nowait()
+            if stale[0] == "died":
+                self._on_death(stale[1])
+                raise HandlerError(f"{self.name}: worker died (exit code {stale[1]})")
+        self._conn.send(("synth", req_id, req.to_dict(), ref_audio))
+        finished = False
+        index = 0
+        try:
+            while True:
+                msg = await self._inbox.get()
+                kind = msg[0]
+                if kind == "died":
+                    finished = True
+                    self._on_death(msg[1])
+                    raise HandlerError(
+                        f"the TTS worker died during synthesis (exit code {msg[1]})"
+                        + ("" if self._stopping else "; it is being restarted")
+                    )
+                if kind == "memory":
+                    self.info["memory"] = msg[1]
+                    continue
+                if msg[1] != req_id:
+                    continue
+                if kind == "chunk":
+                    if result.first_audio_s is None:
+                        result.first_audio_s = time.perf_counter() - t0
+                    yield AudioChunk(msg[2], msg[3], msg[4], index)
+                    index += 1
+                    try:  # the consumer wants the next one: the worker may go on (flow control)
+                        self._conn.send(("taken", req_id, index))
+                    except OSError:
+                        pass  # the worker died; its "died" message is next
+                elif kind == "done":
+                    finished = True
+                    result.stats = self.last_stats = msg[2]
+                    self.history.append(msg[2])
+                    return
+                elif kind == "error":
+                    finished = True
+                    cls = RequestRejected if msg[2] == "request" else HandlerError
+                    raise cls(msg[3])
+        finally:
+            if not finished:
+                # The consumer went away (client disconnect, barge-in): stop the worker within
+                # one frame and wait for its acknowledgement so the next request starts clean.
+                await _uninterrupted(self._cancel(req_id))
+
+    async def _cancel(self, req_id: str) -> None:
+        try:
+            self._conn.send(("cancel", req_id))
+        except OSError:
+            return
+        while True:
+            try:
+                msg = await asyncio.wait_for(self._inbox.get(), 60)
+            except TimeoutError:
+                logger.error("handler %s: no acknowledgement of a cancel; killing the worker", self.name)
+                self._kill()
+                return
+            if msg[0] == "died":
+                self._on_death(msg[1])
+                return
+            if msg[0] in ("done", "error") and msg[1] == req_id:
+                self.last_stats = msg[2] if msg[0] == "done" else None
+                if self.last_stats:
+                    self.history.append(self.last_stats)
+                return
+
+
+async def _uninterrupted(coro) -> None:
+    """Run `coro` to its end even if the caller is cancelled meanwhile (once or more often);
+    then re-raise the cancellation. The FIFO lock must not pass on before a cancel is
+    acknowledged, or the next request would read this one's last messages."""
+    task = asyncio.ensure_future(coro)
+    interrupted = False
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            interrupted = True
+    task.result()
+    if interrupted:
+        raise asyncio.CancelledError

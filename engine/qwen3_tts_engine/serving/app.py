@@ -1,0 +1,342 @@
+"""The engine server: one streaming HTTP protocol (OpenAI + vLLM-Omni fields) over handlers.
+
+`POST /v1/audio/speech` streams s16le PCM, one HTTP chunk per 4-frame audio chunk, as each is
+made; `/health`, `/ready`, `/v1/models`, `/v1/engine/*` (status, variant override) and
+`/metrics` serve operators and load balancers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from qwen3_tts_engine.audio import wav_bytes
+from qwen3_tts_engine.governor.governor import Governor, SwapRecord
+from qwen3_tts_engine.log import logger
+from qwen3_tts_engine.protocol import (
+    HEADER_MODEL,
+    HEADER_REQUEST_ID,
+    HEADER_SAMPLE_RATE,
+    HEADER_VARIANT,
+    SAMPLE_RATE,
+    EngineStatus,
+    HandlerStatus,
+    Limits,
+    ModelCard,
+    ReadyStatus,
+    RequestError,
+    SpeechRequest,
+    VariantChange,
+    parse_speech_request,
+)
+from qwen3_tts_engine.runtime.engine import Engine
+from qwen3_tts_engine.runtime.handler import Result
+from qwen3_tts_engine.runtime.ref_audio import resolve_ref_audio
+
+from .auth import authorized
+from .errors import MAPPED, as_request_error, error_response
+from .metrics import Metrics
+
+_request_ids = itertools.count(1)
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8880
+    api_key: str | None = None  # bearer token for /v1/*; from QWEN3_TTS_API_KEY
+    ref_audio_dir: Path | None = None
+    limits: Limits = field(default_factory=Limits)
+    max_body_bytes: int = 12 * 1024 * 1024
+    max_queue: int = 32
+    retry_after_s: int = 2
+
+
+class EngineServer:
+    def __init__(self, engine: Engine, config: ServerConfig | None = None,
+                 governor: Governor | None = None) -> None:  # fmt: skip
+        self.engine = engine
+        self.config = config or ServerConfig()
+        self.metrics = Metrics()
+        self.governor = governor
+        if governor is not None:
+            governor.listeners.append(self._count_swap)
+        self._variants_seen: set[str] = set()
+        self.app = web.Application(client_max_size=self.config.max_body_bytes,
+                                   middlewares=[self._errors])  # fmt: skip
+        self.app.add_routes([
+            web.post("/v1/audio/speech", self.speech),
+            web.get("/health", self.health),
+            web.get("/ready", self.ready),
+            web.get("/v1/models", self.models),
+            web.get("/v1/engine/status", self.status),
+            web.post("/v1/engine/variant", self.set_variant),
+            web.get("/metrics", self.metrics_endpoint),
+        ])  # fmt: skip
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> int:
+        """Bind first (so /health answers while models load), then start the handlers."""
+        # handler_cancellation: a client that disconnects cancels its synthesis at once.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        await self.engine.start()
+        if self.governor is not None:
+            await self.governor.start()
+        logger.info("engine server on http://%s:%d (model %s, variants %s)", self.config.host,
+                    self.port, self.engine.model, ", ".join(self.engine.handlers))  # fmt: skip
+        return self.port
+
+    async def stop(self) -> None:
+        if self.governor is not None:
+            await self.governor.stop()
+        await self.engine.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # -- middleware and auth -----------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status >= 400 and e.content_type != "application/json":
+                err = RequestError(e.reason or "error", status=e.status)
+                return web.json_response(err.to_json(), status=e.status)
+            raise
+
+    def _authorized(self, request: web.Request) -> bool:
+        return authorized(request.headers.get("Authorization"), self.config.api_key)
+
+    # -- routes ------------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        h = self.engine.active
+        # Not ready before the governor has fixed its ladder (the quality gate hashes checkpoints).
+        started = self.governor is None or self.governor.started
+        body = ReadyStatus(ready=h.state == "ready" and self.engine.serving and started,
+                           variant=h.variant, state=h.state, queue_depth=h.queue_depth,
+                           swapping=self.governor is not None and self.governor.swapping is not None)
+        return web.json_response(body.to_json(), status=200 if body.ready else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return error_response(RequestError("missing or wrong bearer token", status=401))
+        info = self.engine.active.info
+        card = ModelCard(id=self.engine.model, tts_model_type=info.get("tts_model_type"),
+                         voices=info.get("voices", []), languages=info.get("languages", []),
+                         variants=list(self.engine.handlers),
+                         active_variant=self.engine.active.variant)
+        return web.json_response({"object": "list", "data": [card.to_json()]})
+
+    async def status(self, request: web.Request) -> web.Response:
+        if not self._authorized(request):
+            return error_response(RequestError("missing or wrong bearer token", status=401))
+        handlers = []
+        for h in self.engine.all_handlers():
+            info = {k: v for k, v in h.info.items() if k != "quantized_modules"}
+            handlers.append(HandlerStatus(
+                name=h.name, variant=h.variant, state=h.state, pid=h.pid,
+                active=h is self.engine.active, retiring=h in self.engine.retiring,
+                queue_depth=h.queue_depth, waiting=h.waiting, restarts=h.restarts,
+                last_stats=h.last_stats, memory=await h.memory(), info=info,
+                quantized_modules=len(h.info.get("quantized_modules", {})),
+            ))  # fmt: skip
+        governor = await self.governor.status() if self.governor is not None else None
+        status = EngineStatus(model=self.engine.model, active_variant=self.engine.active.variant,
+                              serving=self.engine.serving, waiting_for_swap=self.engine.gap_waiting,
+                              handlers=handlers, governor=governor)  # fmt: skip
+        return web.json_response(status.to_json())
+
+    async def set_variant(self, request: web.Request) -> web.Response:
+        """Operator override: swap to a variant now (pinned unless `pin` is false), or "auto"."""
+        if not self._authorized(request):
+            return error_response(RequestError("missing or wrong bearer token", status=401))
+        if self.governor is None:
+            return error_response(RequestError("this engine runs without a governor", status=409))
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error_response(RequestError("request body is not valid JSON"))
+        if not isinstance(body, dict) or not isinstance(body.get("variant"), str):
+            return error_response(RequestError("body must be {\"variant\": \"4bit\" | \"auto\", "
+                                       "\"mode\"?: ..., \"pin\"?: true}", param="variant"))  # fmt: skip
+        mode, pin = body.get("mode", "auto"), body.get("pin", True)
+        if not isinstance(pin, bool):
+            return error_response(RequestError("pin must be true or false", param="pin"))
+        try:
+            record = await self.governor.request(body["variant"], mode=mode, pin=pin)
+        except MAPPED as e:
+            return error_response(e)
+        except (ValueError, FileNotFoundError) as e:
+            return error_response(RequestError(str(e), param="variant"))
+        status = 200 if record is None or record.ok else 503
+        change = VariantChange(active_variant=self.engine.active.variant,
+                               pinned=self.governor.pinned,
+                               swap=record.as_dict() if record else None)
+        return web.json_response(change.to_json(), status=status)
+
+    def _count_swap(self, record: SwapRecord) -> None:
+        m = self.metrics
+        m.swaps.labels(record.direction, record.cause, record.mode,
+                       "ok" if record.ok else "failed").inc()  # fmt: skip
+        if record.latency_s is not None:
+            m.swap_seconds.labels(record.mode).observe(record.latency_s)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        m = self.metrics
+        handlers = self.engine.all_handlers()
+        self._variants_seen |= {str(h.variant) for h in handlers}
+        if self.governor is not None:  # a variant may have come and gone between two scrapes
+            self._variants_seen |= set(self.governor.policy.ladder)
+        for variant in self._variants_seen:  # swapped-out variants read 0, not a stale 1
+            m.active_variant.labels(variant).set(1 if variant == self.engine.active.variant else 0)
+            m.queue_depth.labels(variant).set(sum(h.queue_depth for h in handlers
+                                                  if str(h.variant) == variant))  # fmt: skip
+        for h in handlers:
+            for kind, value in (await h.memory()).items():
+                m.worker_memory.labels(str(h.variant), kind.removesuffix("_bytes")).set(value)
+        if self.governor is not None:
+            g = self.governor
+            if g.reading is not None:
+                m.memory_pressure.labels(g.reading.source).set(g.reading.pressure)
+                for kind in ("limit", "used", "available"):
+                    m.memory.labels(kind).set(getattr(g.reading, f"{kind}_bytes"))
+            if g.position is not None:
+                m.ladder_position.set(g.position)
+            for variant in g.policy.ladder:
+                if (fp := g.footprints.get(variant)) is not None:
+                    m.footprint.labels(variant).set(fp)
+        body = generate_latest(m.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def speech(self, request: web.Request) -> web.StreamResponse:
+        rid = request.headers.get(HEADER_REQUEST_ID) or f"tts-{next(_request_ids)}"
+        t0 = time.perf_counter()
+        try:
+            response = await self._speech(request, rid, t0)
+        except RequestError as e:
+            self.metrics.requests.labels(str(e.status)).inc()
+            logger.info("%s rejected (%d): %s", rid, e.status, e.message)
+            return error_response(e, retry_after_s=self.config.retry_after_s)
+        self.metrics.requests.labels(str(response.status)).inc()
+        return response
+
+    async def _speech(self, request: web.Request, rid: str, t0: float) -> web.StreamResponse:
+        if not self._authorized(request):
+            raise RequestError("missing or wrong bearer token", status=401)
+        try:
+            body = await request.json(loads=json.loads)
+        except web.HTTPRequestEntityTooLarge:
+            raise RequestError("request body is too large", status=413) from None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RequestError("request body is not valid JSON") from None
+        req = parse_speech_request(body, self.config.limits)
+        self.engine.validate(req)
+        ref = resolve_ref_audio(req.ref_audio, self.config.ref_audio_dir,
+                                self.config.limits.max_ref_audio_bytes)  # fmt: skip
+        req.ref_audio = None  # the worker gets the bytes, not the encoded string
+        result = Result()
+        # Errors surface on iteration; the handler (and so the variant) is chosen when the
+        # synthesis starts, which may be after a variant swap.
+        chunks = self.engine.stream(req, ref_audio=ref, result=result)
+        headers = {HEADER_MODEL: self.engine.model, HEADER_SAMPLE_RATE: str(SAMPLE_RATE),
+                   HEADER_REQUEST_ID: rid}  # fmt: skip
+        if req.stream and req.response_format == "pcm":
+            return await self._stream(request, chunks, result, headers, rid, t0)
+        return await self._whole(chunks, req, result, headers, rid, t0)
+
+    async def _stream(self, request, chunks, result: Result, headers, rid, t0):
+        response = web.StreamResponse(status=200, headers={**headers, "Content-Type": "audio/pcm"})
+        response.enable_chunked_encoding()
+        n = 0
+        async with contextlib.aclosing(chunks):
+            try:
+                async for chunk in chunks:
+                    if n == 0:
+                        response.headers[HEADER_VARIANT] = self._served_by(result)
+                        await response.prepare(request)
+                    await response.write(chunk.pcm)
+                    self._observe_chunk(chunk, result)
+                    n += 1
+            except MAPPED as e:
+                if n == 0:  # nothing sent yet: a proper error status is still possible
+                    raise as_request_error(e) from None
+                # Audio already went out: abort the connection so the client sees an error.
+                logger.error("%s failed after %d chunks: %s", rid, n, e)
+                self.metrics.requests.labels("aborted").inc()
+                if request.transport is not None:
+                    request.transport.close()
+                return response
+            except (ConnectionResetError, asyncio.CancelledError):
+                logger.info("%s: client went away after %d chunks; synthesis cancelled", rid, n)
+                raise
+        if n == 0:
+            response.headers[HEADER_VARIANT] = self._served_by(result)
+            await response.prepare(request)
+        await response.write_eof()
+        self._observe_done(result, rid, t0, n)
+        return response
+
+    async def _whole(self, chunks, req: SpeechRequest, result: Result, headers, rid, t0):
+        parts = []
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    parts.append(chunk.pcm)
+                    self._observe_chunk(chunk, result)
+        except MAPPED as e:
+            raise as_request_error(e) from None
+        pcm = b"".join(parts)
+        headers = {**headers, HEADER_VARIANT: self._served_by(result)}
+        self._observe_done(result, rid, t0, len(parts))
+        if req.response_format == "wav":
+            return web.Response(body=wav_bytes(pcm), headers={**headers, "Content-Type": "audio/wav"})
+        return web.Response(body=pcm, headers={**headers, "Content-Type": "audio/pcm"})
+
+    def _served_by(self, result: Result) -> str:
+        return str(result.variant or self.engine.active.variant)
+
+    def _observe_chunk(self, chunk, result: Result) -> None:
+        variant = str(result.variant)
+        if chunk.index == 0:
+            self.metrics.first_audio.labels(variant).observe(result.first_audio_s or 0.0)
+            self.metrics.queue_wait.labels(variant).observe(result.queue_wait_s)
+        self.metrics.chunk_compute.labels(variant).observe(chunk.compute_s)
+
+    def _observe_done(self, result: Result, rid: str, t0: float, n: int) -> None:
+        logger.info("%s done: variant %s, %d chunks, first audio %.3fs, total %.3fs", rid,
+                    result.variant, n, result.first_audio_s or -1, time.perf_counter() - t0)  # fmt: skip
+
+
+async def serve_forever(server: EngineServer) -> None:
+    """Run until SIGTERM/SIGINT, then stop the handlers (their workers exit)."""
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start()
+        await stop.wait()
+    finally:
+        await server.stop()

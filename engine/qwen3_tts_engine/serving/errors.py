@@ -1,0 +1,38 @@
+"""The one map from the engine's exceptions to HTTP answers (OpenAI-style JSON error bodies)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from qwen3_tts_engine.governor.governor import SwapInProgress
+from qwen3_tts_engine.protocol import RequestError
+from qwen3_tts_engine.runtime.handler import HandlerError, QueueFull, RequestRejected
+
+# First match wins: keep subclasses above their bases.
+_STATUS: tuple[tuple[type[Exception], int], ...] = (
+    (QueueFull, 429),
+    (RequestRejected, 400),
+    (SwapInProgress, 409),
+    (HandlerError, 503),
+)
+RETRY_STATUSES = (429, 503)  # answers that carry Retry-After
+
+
+def as_request_error(err: Exception) -> RequestError:
+    """`err` as the RequestError (and so the status) a client sees."""
+    if isinstance(err, RequestError):
+        return err
+    for kind, status in _STATUS:
+        if isinstance(err, kind):
+            return RequestError(str(err), status=status)
+    raise TypeError(f"no HTTP status for {type(err).__name__}") from err
+
+
+# The exceptions `as_request_error` maps (for `except` clauses).
+MAPPED: tuple[type[Exception], ...] = tuple(kind for kind, _ in _STATUS)
+
+
+def error_response(err: Exception, *, retry_after_s: int | None = None) -> web.Response:
+    e = as_request_error(err)
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s and e.status in RETRY_STATUSES else None
+    return web.json_response(e.to_json(), status=e.status, headers=headers)

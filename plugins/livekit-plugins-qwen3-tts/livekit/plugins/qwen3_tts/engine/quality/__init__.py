@@ -1,1 +1,0 @@
-"""Quantization quality: bootstrap statistics, audio metrics and reports (candidate vs bf16)."""
