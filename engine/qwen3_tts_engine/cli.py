@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from .protocol import (
     RequestError,
     SpeechRequest,
     VariantChange,
+    check_input,
     normalize_language,
 )
 from .serving.auth import bearer_header
@@ -103,6 +105,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         asyncio.run(serve_forever(build_server(args)))
     except KeyboardInterrupt:
         pass
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        print(f"qwen3-tts: error: {args.host}:{args.port} is already in use (another engine?); "
+              "stop it or pick another --port", file=sys.stderr)  # fmt: skip
+        return 2
     return 0
 
 
@@ -199,12 +207,12 @@ def _say_remote(args: argparse.Namespace, req: SpeechRequest) -> tuple[dict, byt
 def cmd_say(args: argparse.Namespace) -> int:
     try:
         req = SpeechRequest(
-            input=args.text, voice=args.voice, language=normalize_language(args.language),
+            input=check_input(args.text), voice=args.voice, language=normalize_language(args.language),
             instructions=args.instructions, seed=args.seed, max_new_tokens=args.max_new_tokens,
             first_chunk_frames=args.first_chunk_frames, variant=args.variant if args.server else None,
         )  # fmt: skip
     except RequestError as e:
-        print(f"qwen3-tts: {e.message}", file=sys.stderr)
+        print(f"qwen3-tts: error: {e.message}", file=sys.stderr)
         return 2
     if not args.model and not args.server:
         print(TINY_WARNING, file=sys.stderr)

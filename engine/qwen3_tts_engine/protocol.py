@@ -131,13 +131,9 @@ def _in_range(key: str, value: float | int | None, lo: float, hi: float) -> None
         raise RequestError(f"{key} must be between {lo} and {hi}", param=key)
 
 
-def parse_speech_request(body: Any, limits: Limits | None = None) -> SpeechRequest:
-    """Validate a decoded JSON body. Raises RequestError with the offending field."""
+def check_input(text: str | None, limits: Limits | None = None) -> str:
+    """The text to speak, checked as the server checks it (the command line uses it too)."""
     limits = limits or Limits()
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
-
-    text = _opt(body, "input", (str,), "a string")
     if text is None or not text.strip():
         raise RequestError("input must be a non-empty string", param="input")
     if not has_speakable_text(text):
@@ -147,6 +143,16 @@ def parse_speech_request(body: Any, limits: Limits | None = None) -> SpeechReque
         raise RequestError(
             f"input is longer than {limits.max_input_chars} characters; split it", param="input"
         )
+    return text
+
+
+def parse_speech_request(body: Any, limits: Limits | None = None) -> SpeechRequest:
+    """Validate a decoded JSON body. Raises RequestError with the offending field."""
+    limits = limits or Limits()
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+
+    text = check_input(_opt(body, "input", (str,), "a string"), limits)
 
     fmt = _opt(body, "response_format", (str,), "a string") or "wav"
     if fmt not in RESPONSE_FORMATS:
