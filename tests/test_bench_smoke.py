@@ -1,4 +1,4 @@
-"""Smoke runs of the four benchmark commands as a user runs them (real subprocesses, tiny
+"""Smoke runs of the five benchmark commands as a user runs them (real subprocesses, tiny
 checkpoints, offline assets), with their smallest settings: the JSON has the fields the README
 documents and the measured numbers are positive. Speed numbers are not checked.
 
@@ -78,6 +78,20 @@ def test_qwen3_tts_bench_spawn(tiny_checkpoint):
     _positive(report["worker_import_s"], "worker_import_s")
     assert report["worker_import_modules"] > 50  # numpy and the engine modules at least
     assert report["worker_imports_livekit"] is False
+
+
+def test_qwen3_tts_bench_formats(tiny_checkpoint):
+    model = str(tiny_checkpoint("custom_voice", eos="text"))
+    report = _run("qwen3-tts", "bench", "formats", "--model", model, "--frames", "4", "--repeats", "1")
+    formats = report["formats"]
+    assert set(formats) == {"mp3", "opus", "aac", "flac", "wav", "pcm"}
+    assert formats["pcm"]["first_byte_ratio_to_pcm"] == 1.0
+    for fmt, f in formats.items():
+        _positive(f["first_byte_s"], f"{fmt}.first_byte_s")
+        assert f["first_byte_ratio_to_pcm"] == pytest.approx(f["first_byte_s"] / formats["pcm"]["first_byte_s"])
+        assert f["streamed"] == (fmt != "wav")
+    for fmt in ("mp3", "opus", "aac", "flac"):
+        _positive(formats[fmt]["encode_s_per_chunk"], f"{fmt}.encode_s_per_chunk")
 
 
 def test_qwen3_tts_bench_swap(tiny_checkpoint, tmp_path):

@@ -38,7 +38,9 @@ def test_vllm_omni_fields_are_understood():
     "body",
     [
         [], "text", {"input": ""}, {"input": "   "}, {"input": 5}, {"voice": "ryan"},
-        {"input": "x", "response_format": "mp3"}, {"input": "x", "stream": "yes"},
+        {"input": "x", "response_format": "ogg"}, {"input": "x", "stream": "yes"},
+        {"input": "x", "stream_format": "chunks"}, {"input": "x", "stream_format": 1},
+        {"input": "x", "response_format": "wav", "stream_format": "sse"},
         {"input": "x", "max_new_tokens": True}, {"input": "x", "max_new_tokens": 0},
         {"input": "x", "temperature": "hot"}, {"input": "x", "top_p": 1.5},
         {"input": "x", "task_type": "Clone"}, {"input": "x", "language": "xx"},

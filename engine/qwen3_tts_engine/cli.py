@@ -85,6 +85,7 @@ def build_server(args: argparse.Namespace):
         ref_audio_dir=Path(args.ref_audio_dir) if args.ref_audio_dir else None,
         limits=Limits(max_input_chars=args.max_input_chars), max_queue=args.max_queue,
     )  # fmt: skip
+    config.voice_aliases.update(args.voice_alias or {})
     engine = Engine(model, handlers)
     governor = Governor(engine, detect_probe(args.memory_source), policy,
                         interval_s=args.governor_interval, drain_deadline_s=args.drain_deadline,
@@ -248,6 +249,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from qwen3_tts_engine.bench.swap import run_swap_bench
 
         return run_swap_bench(args)
+    if args.what == "formats":
+        from qwen3_tts_engine.bench.formats import run_formats_bench
+
+        return run_formats_bench(args)
     if args.what == "spawn":
         from qwen3_tts_engine.bench.spawn import run_spawn_bench
 
@@ -255,6 +260,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from qwen3_tts_engine.bench.engine import run_bench
 
     return run_bench(args)
+
+
+class _VoiceAlias(argparse.Action):
+    """--voice-alias NAME=VOICE, collected into a dict."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        name, sep, voice = values.partition("=")
+        if not sep or not name.strip() or not voice.strip():
+            parser.error(f"{option_string} takes NAME=VOICE, got {values!r}")
+        aliases = dict(getattr(namespace, self.dest, None) or {})
+        aliases[name.strip().lower()] = voice.strip().lower()
+        setattr(namespace, self.dest, aliases)
 
 
 class _Given(argparse.Action):
@@ -346,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ref-audio-dir", help="folder whose files ref_audio may name")
     s.add_argument("--max-queue", type=int, default=32)
     s.add_argument("--max-input-chars", type=int, default=4000)
+    s.add_argument("--voice-alias", action=_VoiceAlias, metavar="NAME=VOICE",
+                   help="a voice name requests may use for one of the model's voices (repeatable; "
+                   "OpenAI's names are mapped by default, e.g. alloy=vivian, echo=aiden)")
     _add_governor_options(s)
     s.set_defaults(fn=cmd_serve)
 
@@ -390,11 +410,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parsers(sub)
 
-    b = sub.add_parser("bench", help="benchmarks (JSON): engine (default), swap or spawn")
-    b.add_argument("what", nargs="?", choices=["engine", "swap", "spawn"], default="engine",
+    b = sub.add_parser("bench", help="benchmarks (JSON): engine (default), swap, spawn or formats")
+    b.add_argument("what", nargs="?", choices=["engine", "swap", "spawn", "formats"], default="engine",
                    help="engine: per-variant latency and memory; swap: governor swap latency, "
                    "audio gap and memory in both swap modes; spawn: a worker's start-up cost "
-                   "besides loading weights")
+                   "besides loading weights; formats: first byte and encode cost per response "
+                   "format, as ratios to pcm")
     b.add_argument("--variants", default="bf16,8bit,6bit,4bit,talker-mlp-w4")
     b.add_argument("--model", help="checkpoint (default: a tiny random one)")
     b.add_argument("--repeats", type=int, default=5)

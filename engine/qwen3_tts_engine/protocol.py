@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import unicodedata
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 SAMPLE_RATE = 24000
@@ -35,7 +35,23 @@ _LANGUAGE_ALIASES = {
     "it": "italian",
 }  # fmt: skip
 TASK_TYPES = {"CustomVoice": "custom_voice", "VoiceDesign": "voice_design", "Base": "base"}
-RESPONSE_FORMATS = ("pcm", "wav")
+# OpenAI's response formats (mp3 is its default) and their content types. All but WAV stream
+# chunk by chunk (a WAV header states the data length before the data: a streamed request for
+# WAV gets the whole file).
+CONTENT_TYPES = {
+    "mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac",
+    "wav": "audio/wav", "pcm": "audio/pcm",
+}  # fmt: skip
+RESPONSE_FORMATS = tuple(CONTENT_TYPES)
+STREAMED_FORMATS = ("mp3", "opus", "aac", "flac", "pcm")
+STREAM_FORMATS = ("audio", "sse")
+# OpenAI's voice names -> Qwen3-TTS CustomVoice speakers (by voice character; English first), so
+# that OpenAI clients work unchanged. `qwen3-tts serve --voice-alias NAME=SPEAKER` changes them.
+OPENAI_VOICE_ALIASES = {
+    "alloy": "vivian", "ash": "ryan", "ballad": "aiden", "coral": "serena", "echo": "aiden",
+    "fable": "ryan", "nova": "vivian", "onyx": "uncle_fu", "sage": "serena", "shimmer": "sohee",
+    "verse": "ryan", "marin": "vivian", "cedar": "aiden",
+}  # fmt: skip  # OpenAI's stream_format: raw audio bytes, or server-sent events
 
 
 class RequestError(ValueError):
@@ -79,8 +95,9 @@ class SpeechRequest:
     input: str
     model: str | None = None
     voice: str | None = None
-    response_format: str = "wav"
-    stream: bool = False
+    response_format: str = "mp3"
+    stream: bool = False  # chunked audio as it is made (also set by stream_format); not for WAV
+    stream_format: str | None = None  # "sse": OpenAI's speech.audio.delta/done events
     task_type: str | None = None  # custom_voice | voice_design | base
     language: str = "auto"
     instructions: str | None = None
@@ -154,13 +171,22 @@ def parse_speech_request(body: Any, limits: Limits | None = None) -> SpeechReque
 
     text = check_input(_opt(body, "input", (str,), "a string"), limits)
 
-    fmt = _opt(body, "response_format", (str,), "a string") or "wav"
+    fmt = _opt(body, "response_format", (str,), "a string") or "mp3"
     if fmt not in RESPONSE_FORMATS:
         raise RequestError(
             f"response_format {fmt!r} is not supported; use one of {', '.join(RESPONSE_FORMATS)}",
             param="response_format",
         )
     stream = _opt(body, "stream", (bool,), "true or false") or False
+    stream_format = _opt(body, "stream_format", (str,), "a string")
+    if stream_format is not None and stream_format not in STREAM_FORMATS:
+        raise RequestError(f"stream_format must be one of {', '.join(STREAM_FORMATS)}",
+                           param="stream_format")  # fmt: skip
+    stream = stream or stream_format is not None
+    if stream_format == "sse" and fmt not in STREAMED_FORMATS:
+        raise RequestError(f"{fmt} cannot be streamed as events (its header states the length "
+                           f"first); use one of {', '.join(STREAMED_FORMATS)}",
+                           param="response_format")  # fmt: skip
 
     task = _opt(body, "task_type", (str,), "a string")
     if task is not None:
@@ -200,6 +226,7 @@ def parse_speech_request(body: Any, limits: Limits | None = None) -> SpeechReque
         voice=_text(body, "voice", 64),
         response_format=fmt,
         stream=stream,
+        stream_format=stream_format if stream_format == "sse" else None,
         task_type=task,
         language=normalize_language(_opt(body, "language", (str,), "a string")),
         instructions=_text(body, "instructions", 1000),
@@ -260,6 +287,7 @@ class ModelCard:
     languages: list[str]
     variants: list[str]
     active_variant: str | None
+    voice_aliases: dict[str, str] = field(default_factory=dict)  # usable aliases -> voices
     sample_rate: int = SAMPLE_RATE
     object: str = "model"
     owned_by: str = "qwen3-tts"

@@ -8,6 +8,7 @@ made; `/health`, `/ready`, `/v1/models`, `/v1/engine/*` (status, variant overrid
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import itertools
 import json
@@ -18,15 +19,18 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from qwen3_tts_engine.audio import wav_bytes
+from qwen3_tts_engine.audio import AudioEncoder, encode_whole
 from qwen3_tts_engine.governor.governor import Governor, SwapRecord
 from qwen3_tts_engine.log import logger
 from qwen3_tts_engine.protocol import (
+    CONTENT_TYPES,
     HEADER_MODEL,
     HEADER_REQUEST_ID,
     HEADER_SAMPLE_RATE,
     HEADER_VARIANT,
+    OPENAI_VOICE_ALIASES,
     SAMPLE_RATE,
+    STREAMED_FORMATS,
     EngineStatus,
     HandlerStatus,
     Limits,
@@ -48,6 +52,18 @@ from .metrics import Metrics
 _request_ids = itertools.count(1)
 
 
+def sse_event(data: dict) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+def speech_usage(req: SpeechRequest, result: Result) -> dict:
+    """OpenAI's usage object for a speech: output tokens are the codec frames made (the model's
+    audio tokens); input tokens count the input's characters (the server does not tokenize)."""
+    frames = int((result.stats or {}).get("frames", 0))
+    chars = len(req.input)
+    return {"input_tokens": chars, "output_tokens": frames, "total_tokens": chars + frames}
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -58,6 +74,8 @@ class ServerConfig:
     max_body_bytes: int = 12 * 1024 * 1024
     max_queue: int = 32
     retry_after_s: int = 2
+    # voice names a request may use for the model's voices (OpenAI's by default)
+    voice_aliases: dict[str, str] = field(default_factory=lambda: dict(OPENAI_VOICE_ALIASES))
 
 
 class EngineServer:
@@ -144,7 +162,8 @@ class EngineServer:
         card = ModelCard(id=self.engine.model, tts_model_type=info.get("tts_model_type"),
                          voices=info.get("voices", []), languages=info.get("languages", []),
                          variants=list(self.engine.handlers),
-                         active_variant=self.engine.active.variant)
+                         active_variant=self.engine.active.variant,
+                         voice_aliases=self._voice_aliases())
         return web.json_response({"object": "list", "data": [card.to_json()]})
 
     async def status(self, request: web.Request) -> web.Response:
@@ -250,6 +269,7 @@ class EngineServer:
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RequestError("request body is not valid JSON") from None
         req = parse_speech_request(body, self.config.limits)
+        req.voice = self._voice(req.voice)
         self.engine.validate(req)
         ref = resolve_ref_audio(req.ref_audio, self.config.ref_audio_dir,
                                 self.config.limits.max_ref_audio_bytes)  # fmt: skip
@@ -260,38 +280,59 @@ class EngineServer:
         chunks = self.engine.stream(req, ref_audio=ref, result=result)
         headers = {HEADER_MODEL: self.engine.model, HEADER_SAMPLE_RATE: str(SAMPLE_RATE),
                    HEADER_REQUEST_ID: rid}  # fmt: skip
-        if req.stream and req.response_format == "pcm":
-            return await self._stream(request, chunks, result, headers, rid, t0)
+        if req.stream and req.response_format in STREAMED_FORMATS:
+            return await self._stream(request, req, chunks, result, headers, rid, t0)
         return await self._whole(chunks, req, result, headers, rid, t0)
 
-    async def _stream(self, request, chunks, result: Result, headers, rid, t0):
-        response = web.StreamResponse(status=200, headers={**headers, "Content-Type": "audio/pcm"})
+    async def _stream(self, request, req: SpeechRequest, chunks, result: Result, headers, rid, t0):
+        """Each audio chunk goes out as it is made: encoded in the response format, as raw bytes
+        or (stream_format "sse") as OpenAI's speech.audio.delta events, then speech.audio.done."""
+        sse = req.stream_format == "sse"
+        content_type = "text/event-stream" if sse else CONTENT_TYPES[req.response_format]
+        response = web.StreamResponse(status=200, headers={**headers, "Content-Type": content_type})
+        if sse:
+            response.headers["Cache-Control"] = "no-cache"
         response.enable_chunked_encoding()
+        encoder = AudioEncoder(req.response_format)
+
+        async def send(data: bytes) -> None:
+            if data:
+                await response.write(sse_event({"type": "speech.audio.delta",
+                                                "audio": base64.b64encode(data).decode()})
+                                     if sse else data)  # fmt: skip
+
         n = 0
-        async with contextlib.aclosing(chunks):
-            try:
-                async for chunk in chunks:
-                    if n == 0:
-                        response.headers[HEADER_VARIANT] = self._served_by(result)
-                        await response.prepare(request)
-                    await response.write(chunk.pcm)
-                    self._observe_chunk(chunk, result)
-                    n += 1
-            except MAPPED as e:
-                if n == 0:  # nothing sent yet: a proper error status is still possible
-                    raise as_request_error(e) from None
-                # Audio already went out: abort the connection so the client sees an error.
-                logger.error("%s failed after %d chunks: %s", rid, n, e)
-                self.metrics.requests.labels("aborted").inc()
-                if request.transport is not None:
-                    request.transport.close()
-                return response
-            except (ConnectionResetError, asyncio.CancelledError):
-                logger.info("%s: client went away after %d chunks; synthesis cancelled", rid, n)
-                raise
-        if n == 0:
-            response.headers[HEADER_VARIANT] = self._served_by(result)
-            await response.prepare(request)
+        try:
+            async with contextlib.aclosing(chunks):
+                try:
+                    async for chunk in chunks:
+                        if n == 0:
+                            response.headers[HEADER_VARIANT] = self._served_by(result)
+                            await response.prepare(request)
+                        await send(encoder.encode(chunk.pcm))
+                        self._observe_chunk(chunk, result)
+                        n += 1
+                except MAPPED as e:
+                    if n == 0:  # nothing sent yet: a proper error status is still possible
+                        raise as_request_error(e) from None
+                    # Audio already went out: abort the connection so the client sees an error.
+                    logger.error("%s failed after %d chunks: %s", rid, n, e)
+                    self.metrics.requests.labels("aborted").inc()
+                    if request.transport is not None:
+                        request.transport.close()
+                    return response
+                except (ConnectionResetError, asyncio.CancelledError):
+                    logger.info("%s: client went away after %d chunks; synthesis cancelled", rid, n)
+                    raise
+            if n == 0:
+                response.headers[HEADER_VARIANT] = self._served_by(result)
+                await response.prepare(request)
+            await send(encoder.finish())
+        finally:
+            encoder.close()
+        if sse:
+            await response.write(sse_event({"type": "speech.audio.done",
+                                            "usage": speech_usage(req, result)}))  # fmt: skip
         await response.write_eof()
         self._observe_done(result, rid, t0, n)
         return response
@@ -305,12 +346,23 @@ class EngineServer:
                     self._observe_chunk(chunk, result)
         except MAPPED as e:
             raise as_request_error(e) from None
-        pcm = b"".join(parts)
-        headers = {**headers, HEADER_VARIANT: self._served_by(result)}
+        body = encode_whole(b"".join(parts), req.response_format)
+        headers = {**headers, HEADER_VARIANT: self._served_by(result),
+                   "Content-Type": CONTENT_TYPES[req.response_format]}  # fmt: skip
         self._observe_done(result, rid, t0, len(parts))
-        if req.response_format == "wav":
-            return web.Response(body=wav_bytes(pcm), headers={**headers, "Content-Type": "audio/wav"})
-        return web.Response(body=pcm, headers={**headers, "Content-Type": "audio/pcm"})
+        return web.Response(body=body, headers=headers)
+
+    def _voice_aliases(self) -> dict[str, str]:
+        """The aliases whose voice this model has."""
+        voices = set(self.engine.active.info.get("voices", []))
+        return {a.lower(): v for a, v in self.config.voice_aliases.items() if v.lower() in voices}
+
+    def _voice(self, voice: str | None) -> str | None:
+        """A model voice as asked, or the voice an alias names (unknown names stay for the
+        model check to refuse, with the list of voices)."""
+        if voice is None or voice.lower() in self.engine.active.info.get("voices", []):
+            return voice
+        return self._voice_aliases().get(voice.lower(), voice)
 
     def _served_by(self, result: Result) -> str:
         return str(result.variant or self.engine.active.variant)
