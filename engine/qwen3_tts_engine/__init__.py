@@ -28,11 +28,13 @@ _EXPORTS = {
     "default_tiny_checkpoint": "qwen3_tts_engine.testing.tiny_checkpoint",
     "write_tiny_checkpoint": "qwen3_tts_engine.testing.tiny_checkpoint",
     "write_tokenizer": "qwen3_tts_engine.testing.tiny_checkpoint",
+    "variant_names": "qwen3_tts_engine.models.recipes",
 }
 
 if TYPE_CHECKING:
     from .governor.governor import Governor
     from .governor.policy import Policy
+    from .models.recipes import variant_names
     from .runtime.engine import Engine
     from .runtime.handler import Handler
     from .serving.app import EngineServer, ServerConfig, serve_forever
@@ -52,5 +54,5 @@ def __getattr__(name: str):
 __all__ = [
     "Engine", "EngineServer", "Governor", "Handler", "Policy", "ServerConfig",
     "default_tiny_checkpoint", "serve_forever", "write_tiny_checkpoint", "write_tokenizer",
-    "__version__",
+    "variant_names", "__version__",
 ]  # fmt: skip

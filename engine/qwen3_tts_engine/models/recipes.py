@@ -114,6 +114,11 @@ RECIPES: dict[str, Recipe] = {
 UNIFORM_VARIANTS = ("bf16", "8bit", "6bit", "4bit")
 
 
+def variant_names() -> list[str]:
+    """The built-in variants and recipes a handler can load by name (a YAML file is also one)."""
+    return list(RECIPES)
+
+
 def get_recipe(name: str) -> Recipe:
     try:
         return RECIPES[name]
