@@ -26,7 +26,7 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 def test_tiny_checkpoint_command(tmp_path):
     out = tmp_path / "ckpt"
-    p = run("tiny-checkpoint", str(out), "--variant", "base", "--bits", "4", "--seed", "3")
+    p = run("tiny-checkpoint", str(out), "--kind", "base", "--bits", "4", "--seed", "3")
     assert "wrote base tiny checkpoint" in p.stdout
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["tts_model_type"] == "base" and cfg["quantization"]["bits"] == 4

@@ -11,19 +11,74 @@ import argparse
 import logging
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 
-from .settings import WebSettings, add_arguments, from_args, markdown_table
+from .settings import Settings, WebSettings, add_arguments, from_args, markdown_table
 
-LIVEKIT_COMMANDS = ("start", "dev", "console", "connect", "download-files")
+# LiveKit's own options of the commands its CLI runs, name -> (takes a value, help). Our parser
+# knows them so that `--help` is quick and lists the settings too, and a mistyped flag fails
+# before anything starts; tests/test_agent_cli_livekit.py keeps this equal to livekit-agents' CLI.
+_LOG_LEVEL = ("log-level", True, "LiveKit's log level (DEBUG, INFO, WARN, ERROR, CRITICAL)")
+_SERVER = (("url", True, "the LiveKit server's WebSocket URL [LIVEKIT_URL]"),
+           ("api-key", True, "[LIVEKIT_API_KEY]"), ("api-secret", True, "[LIVEKIT_API_SECRET]"))  # fmt: skip
+LIVEKIT_OPTIONS: dict[str, tuple[tuple[str, bool, str], ...]] = {
+    "start": (_LOG_LEVEL, *_SERVER,
+              ("drain-timeout", True, "seconds to wait for jobs to finish when stopping"),
+              ("simulation", False, "(set by `lk simulate`)")),
+    "dev": (_LOG_LEVEL, ("reload", False, "restart the worker when the code changes"), *_SERVER),
+    "console": (("input-device", True, "input device ID or name substring"),
+                ("output-device", True, "output device ID or name substring"),
+                ("list-devices", False, "list the audio devices and exit"),
+                ("text", False, "text mode"), ("record", False, "record the session"), _LOG_LEVEL),
+    "connect": (_LOG_LEVEL, *_SERVER, ("room", True, "the room to join"),
+                ("participant-identity", True, "the agent's identity in the room")),
+    "download-files": (),
+}  # fmt: skip
+LIVEKIT_COMMANDS = tuple(LIVEKIT_OPTIONS)
+_HELP = {
+    "start": "run the LiveKit worker (production)", "dev": "the worker in development mode",
+    "console": "the agent on this machine's microphone and speaker",
+    "connect": "join one room directly", "download-files": "fetch the plugins' model files",
+}  # fmt: skip
+
+
+def _add_livekit_command(sub, name: str) -> None:
+    s = sub.add_parser(name, help=f"{_HELP[name]} (LiveKit's `{name}`)",
+                       description=f"LiveKit's `{name}` with this project's worker and settings.")  # fmt: skip
+    add_arguments(s)
+    lk = s.add_argument_group("LiveKit's options")
+    for option, takes_value, help in LIVEKIT_OPTIONS[name]:
+        dest = "lk_" + option.replace("-", "_")
+        if takes_value:
+            lk.add_argument(f"--{option}", dest=dest, help=help, metavar=option.split("-")[-1].upper())
+        else:
+            lk.add_argument(f"--{option}", dest=dest, action=argparse.BooleanOptionalAction,
+                            help=help)  # fmt: skip
+
+
+def livekit_argv(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """What LiveKit's CLI gets (the command and its own options as given), and the settings
+    given as flags as environment variables (the worker and its job processes read those)."""
+    argv = [args.command]
+    for option, takes_value, _ in LIVEKIT_OPTIONS[args.command]:
+        value = getattr(args, "lk_" + option.replace("-", "_"))
+        if value is None:
+            continue
+        argv += [f"--{option}", value] if takes_value else [f"--{'' if value else 'no-'}{option}"]
+    env = {}
+    for f in fields(Settings):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            env[f.metadata["env"]] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+    return argv, env
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="voice-agent", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name in LIVEKIT_COMMANDS:
-        sub.add_parser(name, help=f"LiveKit's `{name}` (see `voice-agent {name} --help`)",
-                       add_help=False)  # fmt: skip
+        _add_livekit_command(sub, name)
     d = sub.add_parser("demo", help="spoken turns from WAV files through the pipeline, offline")
     d.add_argument("wav", nargs="*", type=Path, help="user turns (default: a question by espeak-ng)")
     d.add_argument("--out", type=Path, default=Path("out/agent-reply.wav"))
@@ -44,11 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=os.environ.get("VOICE_AGENT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
-    if argv and argv[0] in LIVEKIT_COMMANDS:
+    args = build_parser().parse_args(argv)
+    if args.command in LIVEKIT_COMMANDS:
         from .worker import run_worker
 
-        return run_worker(argv)
-    args = build_parser().parse_args(argv)
+        lk_argv, env = livekit_argv(args)
+        os.environ.update(env)
+        return run_worker(lk_argv)
     if args.command == "settings":
         print(markdown_table())
         return 0

@@ -193,10 +193,6 @@ def _check_audio_devices() -> str | None:
 
 def run_worker(argv: list[str]) -> int:
     command = argv[0] if argv else ""
-    if "--help" in argv or "-h" in argv:
-        sys.argv = ["voice-agent", *argv]
-        cli.run_app(server)
-        return 0
     problem = (_check_audio_devices() if command == "console"
                else _check_livekit_url(argv) if command in ("start", "dev", "connect") else None)  # fmt: skip
     if problem:

@@ -345,7 +345,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tiny-checkpoint", help="write a tiny random checkpoint (tests, demos)")
     t.add_argument("out")
-    t.add_argument("--variant", choices=["custom_voice", "base", "voice_design"], default="custom_voice")
+    # --kind: the checkpoint's model type (everywhere else --variant is a precision); the old
+    # spelling still works
+    t.add_argument("--kind", "--variant", dest="variant", default="custom_voice",
+                   choices=["custom_voice", "base", "voice_design"],
+                   help="model type: CustomVoice (preset speakers), Base (cloning), VoiceDesign")
     t.add_argument("--bits", type=int, choices=[4, 6, 8])
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--eos", choices=["text", "never", "random"], default="text",
@@ -435,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("QWEN3_TTS_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -201,6 +202,9 @@ def load(source: ModelSource, *, progress: bool = True):
 
     t0 = time.perf_counter()
     path, cached = prepare(source, progress=progress)
+    # transformers warns "a model of type `qwen3_tts` ... of type ``" on every load of a correct
+    # checkpoint (mlx-audio reads a sub-config through a generic class): noise, not a problem.
+    logging.getLogger("transformers.configuration_utils").setLevel(logging.ERROR)
     # mlx-audio prints progress to stdout; keep stdout clean for `--json` output.
     with contextlib.redirect_stdout(sys.stderr):
         model = load_model(path)
