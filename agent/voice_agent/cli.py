@@ -96,6 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`voice-agent`; Ctrl-C ends it with one line (what it started is stopped on the way out)."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("voice-agent: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=os.environ.get("VOICE_AGENT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip

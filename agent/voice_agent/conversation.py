@@ -1,7 +1,9 @@
 """Drive spoken turns through an AgentSession (no LiveKit room) and measure each turn.
 
 Each turn plays a user's utterance into a paced microphone, waits for the agent's spoken reply,
-and records transcript, reply, audio and LiveKit's per-turn metrics.
+and records transcript, reply, audio and LiveKit's per-turn metrics. A component that fails for
+good (LiveKit's unrecoverable error: retries spent, or a request the server refuses) ends the
+turn at once with `TurnFailed`, carrying the server's message.
 """
 
 from __future__ import annotations
@@ -11,10 +13,17 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-from livekit.agents import AgentSession, llm
+from livekit.agents import AgentSession, APIError, llm
 from livekit.agents.metrics import STTMetrics
 
 from .audio_io import CaptureAudioOutput, PacedAudioInput
+
+COMPONENTS = {"tts_error": "TTS", "stt_error": "STT", "llm_error": "LLM"}  # LiveKit's error types
+
+
+class TurnFailed(RuntimeError):
+    """A turn that cannot get its reply: the TTS, STT or LLM failed for good, or the session
+    closed. The message is one line: which component, and what its server said."""
 
 
 @dataclass
@@ -31,6 +40,7 @@ class TurnReport:
     e2e_latency_s: float | None = None  # LiveKit's: end of user speech -> agent audio out
     voice_to_voice_s: float | None = None  # ours: last user sample sent -> first agent sample
     tool_calls: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # failures the agent answered anyway
     reply_audio: np.ndarray | None = field(default=None, repr=False)
 
     def to_json(self) -> dict:
@@ -40,39 +50,72 @@ class TurnReport:
 
 
 class Conversation:
-    """Wires paced audio in and captured audio out into `session` and runs turns."""
+    """Wires paced audio in and captured audio out into `session` and runs turns.
 
-    def __init__(self, session: AgentSession, audio_in: PacedAudioInput, audio_out: CaptureAudioOutput):
+    `answers_llm_errors`: the agent speaks a reply of its own when the LLM fails (VoiceAgent's
+    apology), so such a turn waits for that reply and lists the failure in `TurnReport.errors`.
+    """
+
+    def __init__(self, session: AgentSession, audio_in: PacedAudioInput,
+                 audio_out: CaptureAudioOutput, *, answers_llm_errors: bool = False):  # fmt: skip
         self.session = session
         self.audio_in = audio_in
         self.audio_out = audio_out
-        self._items: asyncio.Queue[llm.ChatMessage] = asyncio.Queue()
+        self.answers_llm_errors = answers_llm_errors
+        self.failures: list[BaseException] = []  # the exceptions behind reported errors
+        self._items: asyncio.Queue[llm.ChatMessage | TurnFailed] = asyncio.Queue()
+        self._errors: list[str] = []
         self._stt: list[float] = []
         self._calls: list[str] = []
         session.input.audio = audio_in
         session.output.audio = audio_out
         session.on("conversation_item_added", lambda ev: self._on_item(ev.item))
-        session.on("metrics_collected", self._on_metrics)
+        if session.stt is not None:  # the STT's own: the session's event is deprecated (warns)
+            session.stt.on("metrics_collected", self._on_metrics)
         session.on("function_tools_executed", lambda ev: self._calls.extend(
             c.name for c in ev.function_calls))  # fmt: skip
+        session.on("error", self._on_error)
+        session.on("close", self._on_close)
 
     def _on_item(self, item) -> None:
         if isinstance(item, llm.ChatMessage):
             self._items.put_nowait(item)
 
-    def _on_metrics(self, ev) -> None:
-        if isinstance(ev.metrics, STTMetrics):
-            self._stt.append(ev.metrics.duration)
+    def _on_error(self, ev) -> None:
+        error = ev.error
+        what = COMPONENTS.get(getattr(error, "type", None))
+        if what is None or error.recoverable:
+            return  # LiveKit retries it (or falls back, for its interruption detector)
+        message = f"the {what} failed: {error_message(error.error)}"
+        self.failures.append(error.error)
+        self._errors.append(message)
+        if not (what == "LLM" and self.answers_llm_errors):
+            self._items.put_nowait(TurnFailed(message))
+
+    def _on_close(self, ev) -> None:
+        cause = f": {error_message(ev.error.error)}" if ev.error is not None else ""
+        self._items.put_nowait(TurnFailed(f"the agent session closed ({ev.reason.value}){cause}"))
+
+    def _on_metrics(self, metrics) -> None:
+        if isinstance(metrics, STTMetrics):
+            self._stt.append(metrics.duration)
 
     async def turn(self, speech: np.ndarray, *, timeout: float = 300.0) -> TurnReport:
         """Speak `speech` (int16 at the input's rate) and wait for the agent's reply."""
         report = TurnReport()
         self._stt.clear()
         self._calls.clear()
+        self._errors.clear()
         t_sent = await self.audio_in.play(speech)
         deadline = time.perf_counter() + timeout
         while True:
-            item = await asyncio.wait_for(self._items.get(), max(0.1, deadline - time.perf_counter()))
+            try:
+                left = max(0.1, deadline - time.perf_counter())
+                item = await asyncio.wait_for(self._items.get(), left)
+            except TimeoutError:
+                raise TimeoutError(f"no reply from the agent within {timeout:g} s") from None
+            if isinstance(item, TurnFailed):
+                raise item
             m = item.metrics
             if item.role == "user":
                 report.transcript = item.text_content or ""
@@ -92,4 +135,11 @@ class Conversation:
         report.voice_to_voice_s = None if first is None else first - t_sent
         report.stt_s = sum(self._stt) if self._stt else None
         report.tool_calls = list(self._calls)
+        report.errors = list(self._errors)
         return report
+
+
+def error_message(e: BaseException) -> str:
+    """One line: an API error's message (the server's words), else the exception's name and text."""
+    text = " ".join(str(e.message if isinstance(e, APIError) else e).split())
+    return text if isinstance(e, APIError) and text else f"{type(e).__name__}: {text}".rstrip(": ")

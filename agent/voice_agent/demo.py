@@ -1,21 +1,26 @@
-"""`voice-agent demo`: spoken turns from WAV files through the whole pipeline, no LiveKit server.
+"""`voice-agent demo`: spoken turns from audio files through the whole pipeline, no LiveKit server.
 
-Writes the agent's reply audio as a WAV file and prints a per-turn latency table (or JSON).
+Every input is checked before anything starts (turn files, the output path; the voice once the
+engine answers, before the LLM starts). Writes the agent's reply audio as a WAV file and prints a
+per-turn latency table (or JSON); a turn that fails ends the run with one line saying why.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import sys
 import wave
 from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 from .audio_io import CaptureAudioOutput, PacedAudioInput
-from .conversation import Conversation, TurnReport
+from .conversation import Conversation, TurnFailed, TurnReport
 from .local_services import RANDOM_LLM, RANDOM_TTS, ensure_llm, ensure_tts_engine
 from .observability import TurnMetrics, start_metrics_server
 from .pipeline import VoiceAgent, build_session, build_stt
@@ -26,25 +31,24 @@ INPUT_RATE = 48000  # a LiveKit room's rate
 
 
 class TurnAudioError(ValueError):
-    """A user turn that cannot be read as a 16-bit PCM WAV file."""
+    """A user turn that cannot be used: a missing file, not audio, no samples, or only silence."""
+
+
+SILENT = 0.001  # peak below this fraction of full scale (-60 dBFS): nothing for the VAD to hear
 
 
 def load_turn_audio(path: Path | None) -> np.ndarray:
-    """int16 mono at 48 kHz, from a WAV file (any rate) or espeak-ng's default question."""
-    from .speech_assets import read_wav, speech_wav
+    """int16 mono at 48 kHz from an audio file (any format, rate, sample size and channel
+    count FFmpeg decodes), or espeak-ng's default question."""
+    from .speech_assets import AudioFileError, read_audio, speech_wav
 
     wav = path or speech_wav(DEFAULT_QUESTION, sample_rate=INPUT_RATE)
     try:
-        samples, rate = read_wav(wav)
-    except (OSError, EOFError, wave.Error, ValueError) as e:
-        raise TurnAudioError(f"{wav} is not a readable 16-bit PCM WAV file: {e}") from None
-    if rate != INPUT_RATE:
-        from livekit import rtc
-
-        resampler = rtc.AudioResampler(rate, INPUT_RATE, quality=rtc.AudioResamplerQuality.HIGH)
-        frames = resampler.push(rtc.AudioFrame(samples.tobytes(), rate, 1, len(samples)))
-        frames += resampler.flush()
-        samples = np.concatenate([np.frombuffer(bytes(f.data), np.int16) for f in frames])
+        samples = read_audio(wav, INPUT_RATE)
+    except AudioFileError as e:
+        raise TurnAudioError(str(e)) from None
+    if np.abs(samples.astype(np.int32)).max() < SILENT * 32767:
+        raise TurnAudioError(f"{wav} is silent: nothing in it for the agent to hear")
     return trim_silence(samples)
 
 
@@ -57,24 +61,54 @@ def trim_silence(samples: np.ndarray, threshold: float = 0.02) -> np.ndarray:
 async def run_turns(settings: Settings, turns: list[np.ndarray], *, tts_url: str, llm_url: str,
                     turn_timeout: float = 300.0, agent: VoiceAgent | None = None,
                     on_start=None) -> list[TurnReport]:  # fmt: skip
-    """Each turn: the utterance, then microphone silence until the agent has answered."""
+    """Each turn: the utterance, then microphone silence until the agent has answered.
+
+    A turn whose TTS, STT or LLM fails for good raises `TurnFailed` at once ("turn N: the TTS
+    failed: <the engine's message>"); a turn the agent answered despite a failure (its apology
+    for a failed LLM) ends the run after its report, which lists the failure in `errors`.
+    """
     stt = build_stt(settings)
     await asyncio.to_thread(stt.load)  # as a worker's prewarm does: not on the first turn
     session = build_session(settings, tts_url=tts_url, llm_url=llm_url, stt=stt, echo_free=True)
-    conversation = Conversation(session, PacedAudioInput(INPUT_RATE), CaptureAudioOutput(24000))
+    agent = agent or VoiceAgent(settings.instructions)
+    conversation = Conversation(session, PacedAudioInput(INPUT_RATE), CaptureAudioOutput(24000),
+                                answers_llm_errors=isinstance(agent, VoiceAgent))  # fmt: skip
     TurnMetrics(session)
     metrics_server = await start_metrics_server(settings.metrics_port) if settings.metrics_port else None
-    agent = agent or VoiceAgent(settings.instructions)
     await session.start(agent)
     if on_start is not None:
         on_start(conversation)
+    reports: list[TurnReport] = []
+    quiet, livekit_log = _ReportedErrors(conversation), logging.getLogger("livekit.agents")
+    livekit_log.addFilter(quiet)
     try:
-        return [await conversation.turn(t, timeout=turn_timeout) for t in turns]
+        for i, speech in enumerate(turns, 1):
+            try:
+                reports.append(await conversation.turn(speech, timeout=turn_timeout))
+            except (TurnFailed, TimeoutError) as e:
+                raise type(e)(f"turn {i}: {e}") from None
+            if reports[-1].errors:
+                break
+        return reports
     finally:
         await session.aclose()
         await conversation.audio_in.aclose()
+        livekit_log.removeFilter(quiet)
         if metrics_server is not None:
             await metrics_server.cleanup()
+
+
+class _ReportedErrors(logging.Filter):
+    """Drops LiveKit's log record (with its traceback) of a failure the conversation reports
+    itself, in one line."""
+
+    def __init__(self, conversation: Conversation) -> None:
+        super().__init__()
+        self.conversation = conversation
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return exc is None or not any(exc is e for e in self.conversation.failures)
 
 
 def write_replies(path: Path, reports: list[TurnReport]) -> None:
@@ -101,12 +135,46 @@ def print_table(reports: list[TurnReport]) -> None:
               f"{r.transcript!r} -> {r.reply_text[:60]!r}")  # fmt: skip
 
 
+def check_output(out: Path) -> None:
+    """The reply WAV can be written (checked before anything starts)."""
+    if out.is_dir():
+        raise RuntimeError(f"--out {out} is a directory: give a file (e.g. {out / 'reply.wav'})")
+    if out.parent.exists() and not out.parent.is_dir():
+        raise RuntimeError(f"--out {out}: {out.parent} is not a directory")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RuntimeError(f"--out {out}: cannot create {out.parent}: {e.strerror or e}") from None
+    if not os.access(out.parent, os.W_OK):
+        raise RuntimeError(f"--out {out}: {out.parent} is not writable")
+
+
+def check_voice(settings: Settings, url: str) -> None:
+    """The engine at `url` has the voice the settings name: a wrong one is an error before the
+    LLM starts, not a failed turn. Skipped for vLLM-Omni, an engine that does not say, or one
+    that cannot be asked (the turn then fails with the engine's own message)."""
+    if settings.tts_protocol != "qwen3-tts":
+        return
+    try:
+        r = httpx.get(f"{url.split(',')[0].rstrip('/')}/v1/models", timeout=10)
+        card = r.json()["data"][0] if r.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return
+    voices = [str(v) for v in card.get("voices") or []]
+    aliases = [str(a) for a in card.get("voice_aliases") or {}]
+    if voices and settings.tts_voice.lower() not in {v.lower() for v in voices + aliases}:
+        raise RuntimeError(f"the TTS engine has no voice {settings.tts_voice!r} (--tts-voice, "
+                           f"TTS_VOICE); voices: {', '.join(voices)}")  # fmt: skip
+
+
 def run_demo(settings: Settings, wavs: list[Path], out: Path, as_json: bool) -> int:
     # the input first: a bad file fails before any engine or LLM starts
     turns = [load_turn_audio(w) for w in wavs] or [load_turn_audio(None)]
+    check_output(out)
     tts = ensure_tts_engine(settings)
     llm_svc = None
     try:
+        check_voice(settings, tts.url)
         llm_svc = ensure_llm(settings)
         notes = [*tts.notes, *llm_svc.notes]
         if llm_svc.model:
@@ -130,4 +198,8 @@ def run_demo(settings: Settings, wavs: list[Path], out: Path, as_json: bool) -> 
     else:
         print_table(reports)
         print(f"reply audio -> {out}")
+    failed = next(((i, r) for i, r in enumerate(reports, 1) if r.errors), None)
+    if failed is not None:  # the agent answered (its apology), but the turn did fail
+        raise TurnFailed(f"turn {failed[0]}: {failed[1].errors[0]} (the agent said: "
+                         f"{failed[1].reply_text[:60]!r})")  # fmt: skip
     return 0

@@ -2,21 +2,104 @@
 
 `FIELDS` documents every setting (the README's configuration table is generated from it).
 `WebSettings` is the same pattern for `voice-agent web` (the browser client's server).
+A field's `check` refuses bad values in one place, wherever they come from: a flag (argparse's
+one-line error), the environment or `.env` (an error that names the variable).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Self
 
 
-def _f(env: str, default, help: str, *, flag: bool = True):
-    """A setting read from `env`; `flag=False`: no command-line flag (secrets stay out of `ps`)."""
-    return field(default=default, metadata={"env": env, "help": help, "flag": flag})
+def _f(env: str, default, help: str, *, flag: bool = True,
+       check: Callable[[object], str | None] | None = None):  # fmt: skip
+    """A setting read from `env`; `flag=False`: no command-line flag (secrets stay out of `ps`);
+    `check(value)`: what is wrong with a value (one line), or None."""
+    return field(default=default, metadata={"env": env, "help": help, "flag": flag, "check": check})
+
+
+# -- checks: each returns what is wrong with a value, or None --------------------------------------
+
+
+def _choice(*names: str):
+    def check(v) -> str | None:
+        return None if v in names else f"invalid choice: {v!r} (choose from {_quoted(names)})"
+
+    return check
+
+
+def _quoted(names) -> str:
+    return ", ".join(map(repr, names))
+
+
+def _port(v) -> str | None:
+    return None if 0 <= v <= 65535 else f"{v} is not a port number (0-65535)"
+
+
+def _positive(v) -> str | None:
+    return None if v > 0 else f"must be > 0, got {v}"
+
+
+def _not_negative(v) -> str | None:
+    return None if v >= 0 else f"must be >= 0, got {v}"
+
+
+def _fraction(v) -> str | None:
+    return None if 0 < v <= 1 else f"must be in (0, 1], got {v}"
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def _local_path(v: str) -> bool:
+    """A value written as a path on this machine, not as a hub id."""
+    return v in (".", "..") or v.startswith(("/", "./", "~", ".."))
+
+
+def _model_dir(v: str) -> str | None:
+    """A local path must be an existing directory; anything else, a directory or a hub id."""
+    path = Path(v).expanduser()
+    if _local_path(v) and not path.is_dir():
+        return f"{v!r} is not a directory" if path.exists() else f"no such directory: {v!r}"
+    if path.is_dir() or HUB_ID.fullmatch(v):
+        return None
+    return f"{v!r} is neither a model directory nor a hub id (owner/name)"
+
+
+def _tts_variant(v: str) -> str | None:
+    """A variant of the engine (`qwen3_tts_engine.variant_names()`) or a recipe file."""
+    if _local_path(v) or v.endswith((".yaml", ".yml", ".json")):
+        return None if Path(v).expanduser().is_file() else f"no such recipe file: {v!r}"
+    try:
+        from qwen3_tts_engine import variant_names
+    except ImportError:  # the engine is an optional extra (a remote TTS_URL needs none)
+        return None
+    names = variant_names()
+    if v not in names:
+        return f"invalid choice: {v!r} (choose from {_quoted(names)}, or a recipe .yaml)"
+    return None
+
+
+def _stt_model(v: str) -> str | None:
+    """A faster-whisper size, the bundled tiny.en, a model directory or a hub id."""
+    if v in ("bundled", "tiny.en-bundled"):
+        return None
+    if _local_path(v) or Path(v).expanduser().is_dir() or HUB_ID.fullmatch(v):
+        return _model_dir(v)
+    try:
+        from faster_whisper.utils import available_models
+    except ImportError:  # cannot tell: faster-whisper says so when it loads
+        return None
+    sizes = list(available_models())
+    return None if v in sizes else (f"{v!r} is not a faster-whisper model: use a size "
+                                    f"({', '.join(sizes)}), bundled, a model directory or a hub "
+                                    "id (owner/name)")  # fmt: skip
 
 
 class _EnvSettings:
@@ -31,12 +114,15 @@ class _EnvSettings:
             from dotenv import dotenv_values
 
             values.update({k: v for k, v in dotenv_values(dotenv).items() if v is not None})
-        values.update(os.environ if env is None else env)
+        environ = os.environ if env is None else env
+        values.update(environ)
         kwargs: dict[str, object] = {}
         for f in fields(cls):
-            raw = values.get(f.metadata["env"])
+            name = f.metadata["env"]
+            raw = values.get(name)
             if raw is not None and raw != "":
-                kwargs[f.name] = _parse(f, raw)
+                source = "the environment" if name in environ else str(dotenv)
+                kwargs[f.name] = _parse(f, raw, source)
         offline_field = any(f.name == "offline" for f in fields(cls))
         if offline_field and values.get("HF_HUB_OFFLINE", "") in ("1", "true", "True"):
             kwargs["offline"] = True
@@ -51,41 +137,50 @@ class Settings(_EnvSettings):
     tts_url: str | None = _f("TTS_URL", None, "Qwen3-TTS engine or vLLM-Omni URL(s), comma-separated; "
                              "unset: start one local engine per host (shared by its workers)")
     tts_model: str = _f("TTS_MODEL", "mlx-community/Qwen3-TTS-12Hz-0.6B-CustomVoice",
-                        "model of the local engine (hub id or directory)")
+                        "model of the local engine (hub id or directory)", check=_model_dir)
     tts_variant: str | None = _f("TTS_VARIANT", None, "variant of the local engine (bf16, 8bit, "
-                                 "6bit, 4bit, talker-mlp-w4, ...); unset: 6bit for mlx-community")
+                                 "6bit, 4bit, talker-mlp-w4, ...); unset: 6bit for mlx-community",
+                                 check=_tts_variant)
     tts_voice: str = _f("TTS_VOICE", "ryan", "speaker (CustomVoice models)")
     tts_language: str = _f("TTS_LANGUAGE", "en", "language of the agent's speech")
-    tts_protocol: str = _f("TTS_PROTOCOL", "qwen3-tts", "qwen3-tts or vllm-omni")
-    tts_port: int = _f("TTS_PORT", 8880, "port of the local engine")
+    tts_protocol: str = _f("TTS_PROTOCOL", "qwen3-tts", "qwen3-tts or vllm-omni",
+                           check=_choice("qwen3-tts", "vllm-omni"))
+    tts_port: int = _f("TTS_PORT", 8880, "port of the local engine", check=_port)
     tts_max_new_tokens: int | None = _f("TTS_MAX_NEW_TOKENS", None, "frame cap per sentence "
-                                        "(unset: derived from the text by the engine)")
-    stt_model: str = _f("STT_MODEL", "base.en", "faster-whisper model; offline: the bundled tiny.en")
+                                        "(unset: derived from the text by the engine)",
+                                        check=_positive)
+    stt_model: str = _f("STT_MODEL", "base.en", "faster-whisper model; offline: the bundled tiny.en",
+                        check=_stt_model)
     stt_language: str = _f("STT_LANGUAGE", "en", "language of the user's speech")
     llm_base_url: str | None = _f("LLM_BASE_URL", None, "OpenAI-compatible server (vLLM, Ollama, "
                                   "llama.cpp, mlx-lm, OpenAI); unset: start mlx_lm.server locally")
     llm_model: str = _f("LLM_MODEL", "mlx-community/Qwen3-0.6B-4bit", "chat model name or local model")
     llm_api_key: str = _f("LLM_API_KEY", "not-needed", "API key of the LLM server")
-    llm_port: int = _f("LLM_PORT", 8090, "port of the local mlx_lm.server")
-    llm_max_tokens: int = _f("LLM_MAX_TOKENS", 256, "cap on the tokens of one reply")
+    llm_port: int = _f("LLM_PORT", 8090, "port of the local mlx_lm.server", check=_port)
+    llm_max_tokens: int = _f("LLM_MAX_TOKENS", 256, "cap on the tokens of one reply",
+                               check=_positive)
     llm_temperature: float | None = _f("LLM_TEMPERATURE", None, "sampling temperature (unset: "
-                                       "the server's default)")
-    llm_timeout: float = _f("LLM_TIMEOUT", 120.0, "seconds; local prefill can be slow")
+                                       "the server's default)", check=_not_negative)
+    llm_timeout: float = _f("LLM_TIMEOUT", 120.0, "seconds; local prefill can be slow",
+                             check=_positive)
     instructions: str = _f("AGENT_INSTRUCTIONS", "You are a helpful voice assistant. Answer in one "
                            "or two short spoken sentences, without markdown.", "system prompt")
-    metrics_port: int = _f("METRICS_PORT", 0, "Prometheus/health port of the agent (0: off)")
+    metrics_port: int = _f("METRICS_PORT", 0, "Prometheus/health port of the agent (0: off)",
+                           check=_port)
     tts_timeout: float = _f("TTS_TIMEOUT", 30.0, "seconds the agent waits for the TTS engine's "
                             "response and then for each next chunk before it fails over or gives "
-                            "up (a shared engine's queue counts)")
+                            "up (a shared engine's queue counts)", check=_positive)
     tts_queue_capacity: int = _f("TTS_QUEUE_CAPACITY", 4, "engine requests (waiting or in flight) "
-                                 "at which the worker reports full load to LiveKit")
+                                 "at which the worker reports full load to LiveKit",
+                                 check=_positive)
     agent_load_threshold: float = _f("AGENT_LOAD_THRESHOLD", 0.7, "load (0..1: the larger of CPU, "
-                                     "TTS queue, TTS memory) at which LiveKit sends no new jobs")
+                                     "TTS queue, TTS memory) at which LiveKit sends no new jobs",
+                                     check=_fraction)
     agent_load_cpu: bool = _f("AGENT_LOAD_CPU", True, "count this host's CPU in the load (off: "
                               "only the TTS engine's queue and memory, e.g. when the engine and "
                               "its CPU are on another host)")
     agent_http_port: int = _f("AGENT_HTTP_PORT", 8081, "port of the worker's health and load "
-                              "endpoints (`/`, `/worker`; 0: any free port)")
+                              "endpoints (`/`, `/worker`; 0: any free port)", check=_port)
     worker_tag: str | None = _f("WORKER_TAG", None, "name of this worker, published as the agent "
                                 "participant's `worker` attribute (unset: none)")
     offline: bool = _f("VOICE_AGENT_OFFLINE", False, "never use the network: bundled and generated "
@@ -105,30 +200,53 @@ class WebSettings(_EnvSettings):
                                      "reach it, when that differs from LIVEKIT_URL")
     web_host: str = _f("WEB_HOST", "127.0.0.1", "address the web server binds (the token "
                        "endpoint has no login: expose it only behind your own auth)")
-    web_port: int = _f("WEB_PORT", 8300, "port of the web server")
-    web_token_ttl: int = _f("WEB_TOKEN_TTL", 600, "seconds a token stays valid for joining")
+    web_port: int = _f("WEB_PORT", 8300, "port of the web server", check=_port)
+    web_token_ttl: int = _f("WEB_TOKEN_TTL", 600, "seconds a token stays valid for joining",
+                            check=_positive)
     web_client_js: str | None = _f("WEB_CLIENT_JS", None, "path of livekit-client.umd.js (unset: "
                                    "agent/voice_agent/web/node_modules, from npm ci)")
 
 
-def _parse(f, raw: str):
-    kind = f.type if isinstance(f.type, str) else f.type.__name__
-    try:
-        if kind.startswith("int"):
-            return int(raw)
-        if kind.startswith("float"):
-            return float(raw)
-        if kind.startswith("bool"):
-            if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                raise ValueError(raw)
-            return raw.lower() in ("1", "true", "yes")
-    except ValueError:
-        raise SystemExit(f"voice-agent: {f.metadata['env']}={raw!r} is not a valid {kind}") from None
+def _convert(f, raw: str):
+    """`raw` as the field's type (ValueError if it is not one)."""
+    kind = _kind(f)
+    if kind.startswith("int"):
+        return int(raw)
+    if kind.startswith("float"):
+        return float(raw)
+    if kind.startswith("bool"):
+        if raw.lower() not in ("1", "0", "true", "false", "yes", "no"):
+            raise ValueError(raw)
+        return raw.lower() in ("1", "true", "yes")
     return raw
 
 
+def _kind(f) -> str:
+    return f.type if isinstance(f.type, str) else f.type.__name__
+
+
+def problem(f, value) -> str | None:
+    """What is wrong with a value of field `f` (its `check`), or None."""
+    check = f.metadata.get("check")
+    return None if value is None or check is None else check(value)
+
+
+def _parse(f, raw: str, source: str = "the environment"):
+    """A value from the environment or .env: a bad one exits with one line naming the variable."""
+    env = f.metadata["env"]
+    try:
+        value = _convert(f, raw)
+    except ValueError:
+        kind = _kind(f).split(" ")[0]
+        raise SystemExit(f"voice-agent: error: {env}={raw!r} is not a valid {kind} (set in {source})") from None
+    if (wrong := problem(f, value)) is not None:
+        raise SystemExit(f"voice-agent: error: {env} (set in {source}): {wrong}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type = Settings) -> None:
-    """One `--flag` per setting (e.g. --tts-url); unset flags fall back to the environment."""
+    """One `--flag` per setting (e.g. --tts-url); unset flags fall back to the environment.
+    A bad value is argparse's one-line error (`... error: argument --tts-protocol: ...`)."""
     for f in fields(cls):
         if not f.metadata.get("flag", True):
             continue
@@ -139,11 +257,26 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type = Settings) -> None
         else:
             parser.add_argument(flag, default=None, help=f"{f.metadata['help']} [{f.metadata['env']}]",
                                 type=_argtype(f))  # fmt: skip
+    if type(parser).error is argparse.ArgumentParser.error:  # not customized by the caller
+        parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
 def _argtype(f):
-    kind = f.type if isinstance(f.type, str) else f.type.__name__
-    return int if kind.startswith("int") else float if kind.startswith("float") else str
+    """argparse's `type`: the field's type, then its check."""
+    kind = _kind(f)
+    name = "int" if kind.startswith("int") else "float" if kind.startswith("float") else "str"
+
+    def parse(raw: str):
+        try:
+            value = _convert(f, raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {name} value: {raw!r}") from None
+        if (wrong := problem(f, value)) is not None:
+            raise argparse.ArgumentTypeError(wrong)
+        return value
+
+    parse.__name__ = name
+    return parse
 
 
 def from_args(args: argparse.Namespace, cls: type = Settings):

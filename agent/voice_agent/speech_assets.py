@@ -1,11 +1,13 @@
 """Real speech for tests and demos: espeak-ng WAVs at a chosen sample rate, cached on disk.
 
-Also small helpers to read a WAV into int16 samples and to pad speech with silence.
+Also small helpers to read audio into int16 samples (`read_audio`: any file FFmpeg decodes, via
+PyAV; `read_wav`: 16-bit PCM WAV) and to pad speech with silence.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -24,6 +26,10 @@ INSTALL_HINT = "apt-get install espeak-ng sox"
 
 class SpeechToolMissing(RuntimeError):
     """espeak-ng (or sox, for resampling) is not installed."""
+
+
+class AudioFileError(ValueError):
+    """A file that cannot be read as audio: missing, not audio, or without any samples."""
 
 
 def speech_cache_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -89,6 +95,49 @@ def read_wav(path: str | os.PathLike[str]) -> tuple[np.ndarray, int]:
     if channels > 1:
         samples = samples.reshape(-1, channels)
     return samples, rate
+
+
+def read_audio(path: str | os.PathLike[str], sample_rate: int) -> np.ndarray:
+    """int16 mono samples at `sample_rate` of any audio file FFmpeg decodes (WAV of any sample
+    format and channel count, FLAC, MP3, Ogg, a video's first audio track...): channels are
+    averaged, then resampled. Raises `AudioFileError` with a one-line message."""
+    import av
+
+    path = Path(path)
+    if not path.exists():
+        raise AudioFileError(f"{path}: no such file")
+    if path.is_dir():
+        raise AudioFileError(f"{path} is a directory, not an audio file")
+    if path.stat().st_size == 0:
+        raise AudioFileError(f"{path} is empty (0 bytes), not a WAV or other audio file")
+    try:
+        with av.open(str(path)) as container:
+            kind = container.format.long_name
+            stream = next((s for s in container.streams if s.type == "audio"), None)
+            parts = _decode_mono(container, stream, sample_rate) if stream else []
+    except av.FFmpegError as e:
+        raise AudioFileError(f"{path} is not audio (not a WAV or any format FFmpeg decodes): "
+                             f"{e.strerror or type(e).__name__}") from None  # fmt: skip
+    except (OSError, ValueError) as e:  # unreadable, or a stream whose format changes midway
+        raise AudioFileError(f"{path} cannot be read as audio: {e}") from None
+    if stream is None:
+        raise AudioFileError(f"{path} is not audio: no audio stream in it (read as {kind})")
+    samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    if not len(samples):
+        raise AudioFileError(f"{path} holds no audio samples")
+    return np.clip(np.round(samples * 32767), -32768, 32767).astype(np.int16)
+
+
+def _decode_mono(container, stream, sample_rate: int) -> list[np.ndarray]:
+    """float mono blocks of `stream` at `sample_rate`: resampled, then its channels averaged."""
+    import av
+
+    resampler = av.AudioResampler(format="flt", layout=stream.layout, rate=sample_rate)
+    parts = []
+    for frame in itertools.chain(container.decode(stream), [None]):  # None flushes the resampler
+        for out in resampler.resample(frame):
+            parts.append(out.to_ndarray().reshape(-1, len(out.layout.channels)).mean(axis=1))
+    return parts
 
 
 def pad_silence(

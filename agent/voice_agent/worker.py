@@ -193,12 +193,13 @@ def _check_audio_devices() -> str | None:
 
 def run_worker(argv: list[str]) -> int:
     command = argv[0] if argv else ""
+    settings = Settings.load()  # bad values in the environment or .env fail first, in one line
     problem = (_check_audio_devices() if command == "console"
                else _check_livekit_url(argv) if command in ("start", "dev", "connect") else None)  # fmt: skip
     if problem:
         print(f"voice-agent: {problem}", file=sys.stderr)
         return 1
-    settings = resolve_offline(Settings.load())
+    settings = resolve_offline(settings)
     if settings.offline:
         os.environ["VOICE_AGENT_OFFLINE"] = "1"  # job processes pick the bundled STT model too
     services: list[LocalService] = []
