@@ -196,6 +196,9 @@ def test_a_signal_during_start_up_stops_every_service(tmp_path, make_env, sig, p
         p = _run_demo(env, tmp_path, "--json", "--out", str(tmp_path / "reply.wav"))
         assert p.returncode == 0, p.stderr[-3000:]
         assert "Traceback" not in p.stderr, p.stderr[-3000:]
+        # quiet: each random-model notice once, no LiveKit deprecation warning per turn
+        assert p.stderr.count("RANDOM weights") == 2, p.stderr[-3000:]
+        assert "deprecated" not in p.stderr, p.stderr[-3000:]
         (turn,) = json.loads(p.stdout)["turns"]
         assert turn["voice_to_voice_s"] is not None
         _assert_nothing_left(env)
