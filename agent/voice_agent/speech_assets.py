@@ -110,6 +110,11 @@ def read_audio(path: str | os.PathLike[str], sample_rate: int) -> np.ndarray:
         raise AudioFileError(f"{path} is a directory, not an audio file")
     if path.stat().st_size == 0:
         raise AudioFileError(f"{path} is empty (0 bytes), not a WAV or other audio file")
+    pcm = _read_pcm_wav(path, sample_rate)
+    if pcm is not None:
+        if not len(pcm):
+            raise AudioFileError(f"{path} holds no audio samples")
+        return pcm
     try:
         with av.open(str(path)) as container:
             kind = container.format.long_name
@@ -126,6 +131,39 @@ def read_audio(path: str | os.PathLike[str], sample_rate: int) -> np.ndarray:
     if not len(samples):
         raise AudioFileError(f"{path} holds no audio samples")
     return np.clip(np.round(samples * 32767), -32768, 32767).astype(np.int16)
+
+
+def _read_pcm_wav(path: Path, sample_rate: int) -> np.ndarray | None:
+    """An integer-PCM WAV (8/16/24/32-bit, any channels and rate) read with `wave` and resampled
+    by LiveKit's resampler, as the pipeline's own audio is; None for anything else (PyAV reads
+    it). The common case stays off FFmpeg: a `voice-agent bench` process that had decoded its
+    turn with PyAV sometimes aborted at exit ("terminate called without an active exception")."""
+    try:
+        with wave.open(str(path), "rb") as w:
+            width, channels, rate = w.getsampwidth(), w.getnchannels(), w.getframerate()
+            raw = w.readframes(w.getnframes())
+    except (wave.Error, EOFError, OSError):
+        return None
+    if width == 1:  # unsigned 8-bit
+        x = (np.frombuffer(raw, np.uint8).astype(np.float64) - 128.0) / 128.0
+    elif width == 3:  # 24-bit little-endian: widen to 32 bits
+        b = np.frombuffer(raw, np.uint8).reshape(-1, 3)
+        x = (b[:, 0].astype(np.int32) | (b[:, 1].astype(np.int32) << 8)
+             | (b[:, 2].astype(np.int8).astype(np.int32) << 16)) / 8388608.0  # fmt: skip
+    elif width in (2, 4):
+        x = np.frombuffer(raw, f"<i{width}").astype(np.float64) / float(2 ** (8 * width - 1))
+    else:
+        return None
+    x = x[: len(x) - len(x) % channels].reshape(-1, channels).mean(axis=1) if channels > 1 else x
+    samples = np.clip(np.round(x * 32767), -32768, 32767).astype(np.int16)
+    if rate == sample_rate or not len(samples):
+        return samples
+    from livekit import rtc
+
+    resampler = rtc.AudioResampler(rate, sample_rate, quality=rtc.AudioResamplerQuality.HIGH)
+    frames = resampler.push(rtc.AudioFrame(samples.tobytes(), rate, 1, len(samples)))
+    frames += resampler.flush()
+    return np.concatenate([np.frombuffer(bytes(f.data), np.int16) for f in frames])
 
 
 def _decode_mono(container, stream, sample_rate: int) -> list[np.ndarray]:
