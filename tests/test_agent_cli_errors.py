@@ -20,6 +20,7 @@ import pytest
 from voice_agent.settings import Settings
 
 from .engine_process import free_port
+from .marked_processes import processes_with
 
 EXE = str(Path(sys.executable).with_name("voice-agent"))
 MARK = "VOICE_AGENT_TEST_RUN"  # in the environment of the command and so of all it starts
@@ -55,14 +56,7 @@ def _run(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 120) 
 
 def _processes_of(mark: str) -> list[psutil.Process]:
     """Live processes whose environment carries `mark` (the command and everything it started)."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get(MARK) == mark and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
+    return processes_with(MARK, mark)
 
 
 def _none_left(mark: str, timeout: float = 30.0) -> list[psutil.Process]:

@@ -29,6 +29,7 @@ import pytest
 from voice_agent.settings import Settings
 
 from .engine_process import free_port
+from .marked_processes import processes_with
 
 pytestmark = pytest.mark.slow
 EXE = str(Path(sys.executable).with_name("voice-agent"))
@@ -79,14 +80,7 @@ def make_env(shared_cache, tiny_tts):
 
 def _processes_of(mark: str) -> list[psutil.Process]:
     """Live processes whose environment carries `mark` (the command and everything it started)."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get(MARK) == mark and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
+    return processes_with(MARK, mark)
 
 
 def _describe(procs: list[psutil.Process]) -> str:
