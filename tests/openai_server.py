@@ -64,7 +64,7 @@ class ScriptedChatServer:
             await resp.write(self._chunk({}, "tool_calls"))
         else:
             await resp.write(self._chunk({"role": "assistant", "content": ""}))
-            for word in self.answer.split(" "):
+            for word in self.answer.split():
                 await resp.write(self._chunk({"content": word + " "}))
             await resp.write(self._chunk({}, "stop"))
         await resp.write(b"data: [DONE]\n\n")

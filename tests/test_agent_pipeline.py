@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from qwen3_tts_engine.runtime.engine import Engine
@@ -144,6 +145,36 @@ async def test_llm_failure_is_a_spoken_apology(engine):
         await llm.stop()
     assert report.reply_text == APOLOGY
     assert report.reply_audio_s > 0
+
+
+async def test_a_reply_without_words_ends_the_turn(engine):
+    """An LLM that answers nothing: LiveKit adds no assistant message; the turn still ends (it
+    used to wait for its timeout) and says so."""
+    llm = await ScriptedChatServer("", use_tool=False).start()
+    settings = _settings(engine, llm.url)
+    try:
+        silent, = await run_turns(settings, [_question("Are you there?")], tts_url=settings.tts_url,
+                                  llm_url=llm.url, turn_timeout=180)  # fmt: skip
+    finally:
+        await llm.stop()
+    assert silent.silent and silent.reply_text == "" and silent.reply_audio_s == 0
+    assert "there" in silent.transcript.lower() and len(llm.requests) == 1
+
+
+async def test_a_turn_without_a_reply_times_out_with_what_happened(engine):
+    llm = await ScriptedChatServer().start()
+    settings = _settings(engine, llm.url)
+    quiet = np.zeros(48000, np.int16)  # one second of silence: nobody speaks, nobody answers
+    try:
+        with pytest.raises(TimeoutError) as e:
+            await run_turns(settings, [quiet], tts_url=settings.tts_url, llm_url=llm.url, turn_timeout=2)
+    finally:
+        await llm.stop()
+    message = str(e.value)
+    assert message.startswith("turn 1: no reply from the agent within 2 s; this turn (s from the end "
+                              "of the utterance): "), message  # fmt: skip
+    assert "user speaking" not in message and "transcript" not in message, message
+    assert llm.requests == []
 
 
 async def test_local_mlx_lm_server_answers_a_turn(engine, tmp_path, monkeypatch):

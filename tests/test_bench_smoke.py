@@ -147,7 +147,8 @@ def test_voice_agent_bench(tmp_path):
     assert json.loads((tmp_path / "va.json").read_text()) == report
     assert any("RANDOM" in n for n in report["notes"])
     # per turn: voice-to-voice latency and its parts; what the glue adds
-    assert 1 <= len(report["turns"]) <= 2, report["turns"]
+    # a turn the random LLM answered without a word ends as silent, without latency parts
+    assert len(report["turns"]) + report["silent_turns"] == 2, report
     for turn in report["turns"]:
         for key in ("voice_to_voice_s", "stt_s", "llm_ttft_s", "tts_first_chunk_compute_s"):
             _positive(turn[key], key)
@@ -155,7 +156,7 @@ def test_voice_agent_bench(tmp_path):
                  + turn["tts_first_chunk_compute_s"])  # fmt: skip
         assert turn["added_s"] == pytest.approx(turn["voice_to_voice_s"] - parts)
     added = report["added_latency_s"]
-    assert added["n"] == len(report["turns"]) and added["p95"] >= added["p50"]
+    assert added.get("n", 0) == len(report["turns"]) and added.get("p95", 0) >= added.get("p50", 0)
     assert report["vad_silence_window_s"] == 0.55 and report["goal_added_p95_s"] == 0.060
     # TTS first audio while the LLM generates / idle
     _summary(report["tts_first_audio_idle_s"], "tts idle", n=1)

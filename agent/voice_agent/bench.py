@@ -91,10 +91,11 @@ async def _bench(settings: Settings, turns: int, tts_requests: int) -> dict:
                            tts_max_new_tokens=settings.tts_max_new_tokens or 4)  # fmt: skip
     try:
         audio = load_turn_audio(None)
-        rows = []
+        rows, silent = [], 0
         for _ in range(turns):
             before = len(handler.history)
             (r,) = await run_turns(settings, [audio], tts_url=tts_url, llm_url=llm.url)
+            silent += r.silent  # a random LLM can answer nothing (or only markup the TTS skips)
             syntheses = list(handler.history)[before:]
             first_chunk = syntheses[0]["chunk_compute_s"][0] if syntheses and syntheses[0]["chunk_compute_s"] else None
             if None in (r.voice_to_voice_s, r.stt_s, r.llm_ttft_s, first_chunk):
@@ -116,7 +117,7 @@ async def _bench(settings: Settings, turns: int, tts_requests: int) -> dict:
         await engine.stop()
     added = [r["added_s"] for r in rows]
     return {
-        "notes": notes, "turns": rows, "vad_silence_window_s": VAD_SILENCE_S,
+        "notes": notes, "turns": rows, "silent_turns": silent, "vad_silence_window_s": VAD_SILENCE_S,
         "added_latency_s": _summary(added), "goal_added_p95_s": 0.060,
         "tts_first_audio_idle_s": _summary(idle), "tts_first_audio_llm_busy_s": _summary(busy),
         "llm_stream_lines_during_busy": lines,

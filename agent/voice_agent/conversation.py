@@ -26,12 +26,20 @@ class TurnFailed(RuntimeError):
     closed. The message is one line: which component, and what its server said."""
 
 
+class _Silent:
+    """The agent's reply ended without a word."""
+
+
+_SILENT = _Silent()
+
+
 @dataclass
 class TurnReport:
     transcript: str = ""
     reply_text: str = ""
     reply_audio_s: float = 0.0
     interrupted: bool = False
+    silent: bool = False  # the agent's reply had no text (nothing was said)
     end_of_turn_delay_s: float | None = None
     stt_s: float | None = None
     transcription_delay_s: float | None = None
@@ -63,7 +71,7 @@ class Conversation:
         self.audio_out = audio_out
         self.answers_llm_errors = answers_llm_errors
         self.failures: list[BaseException] = []  # the exceptions behind reported errors
-        self._items: asyncio.Queue[llm.ChatMessage | TurnFailed] = asyncio.Queue()
+        self._items: asyncio.Queue[llm.ChatMessage | TurnFailed | _Silent] = asyncio.Queue()
         self._errors: list[str] = []
         self._stt: list[float] = []
         self._calls: list[str] = []
@@ -76,9 +84,36 @@ class Conversation:
             c.name for c in ev.function_calls))  # fmt: skip
         session.on("error", self._on_error)
         session.on("close", self._on_close)
+        # what the session did during the current turn, for a turn that gets no reply
+        self._trace: list[tuple[float, str]] = []
+        session.on("user_state_changed", lambda ev: self._note(f"user {ev.new_state}"))
+        session.on("agent_state_changed", lambda ev: self._note(f"agent {ev.new_state}"))
+        session.on("user_input_transcribed", lambda ev: self._note(
+            f"{'final' if ev.is_final else 'interim'} transcript {ev.transcript!r}"))  # fmt: skip
+        session.on("speech_created", self._on_speech)
+        for component in (session.llm, session.tts):
+            if component is not None:
+                component.on("metrics_collected", lambda m: self._note(
+                    f"{m.type.removesuffix('_metrics').upper()} done"))  # fmt: skip
+
+    def _on_speech(self, ev) -> None:
+        self._note(f"{ev.speech_handle.id} created ({ev.source})")
+        ev.speech_handle.add_done_callback(self._on_speech_done)
+
+    def _on_speech_done(self, handle) -> None:
+        self._note(f"{handle.id} done{' (interrupted)' if handle.interrupted else ''}")
+        said = any(isinstance(i, llm.ChatMessage) and i.role == "assistant" for i in handle.chat_items)
+        if not handle.interrupted and not said:
+            # LiveKit adds no message for a reply without text (an LLM that answered nothing):
+            # the turn is over all the same
+            self._items.put_nowait(_SILENT)
+
+    def _note(self, what: str) -> None:
+        self._trace.append((time.perf_counter(), what))
 
     def _on_item(self, item) -> None:
         if isinstance(item, llm.ChatMessage):
+            self._note(f"{item.role} message {(item.text_content or '')[:40]!r}")
             self._items.put_nowait(item)
 
     def _on_error(self, ev) -> None:
@@ -99,6 +134,7 @@ class Conversation:
     def _on_metrics(self, metrics) -> None:
         if isinstance(metrics, STTMetrics):
             self._stt.append(metrics.duration)
+            self._note(f"stt done ({metrics.audio_duration:.2f} s of audio)")
 
     async def turn(self, speech: np.ndarray, *, timeout: float = 300.0) -> TurnReport:
         """Speak `speech` (int16 at the input's rate) and wait for the agent's reply."""
@@ -106,6 +142,7 @@ class Conversation:
         self._stt.clear()
         self._calls.clear()
         self._errors.clear()
+        self._trace.clear()
         t_sent = await self.audio_in.play(speech)
         deadline = time.perf_counter() + timeout
         while True:
@@ -113,9 +150,13 @@ class Conversation:
                 left = max(0.1, deadline - time.perf_counter())
                 item = await asyncio.wait_for(self._items.get(), left)
             except TimeoutError:
-                raise TimeoutError(f"no reply from the agent within {timeout:g} s") from None
+                raise TimeoutError(f"no reply from the agent within {timeout:g} s; "
+                                   f"{self.trace_since(t_sent)}") from None
             if isinstance(item, TurnFailed):
                 raise item
+            if item is _SILENT:
+                report.silent = True
+                break
             m = item.metrics
             if item.role == "user":
                 report.transcript = item.text_content or ""
@@ -137,6 +178,11 @@ class Conversation:
         report.tool_calls = list(self._calls)
         report.errors = list(self._errors)
         return report
+
+    def trace_since(self, t: float, last: int = 16) -> str:
+        """One line: what the session did this turn (seconds from `t`), the last `last` events."""
+        events = [f"{ts - t:+.2f} s {what}" for ts, what in self._trace][-last:]
+        return "this turn (s from the end of the utterance): " + ("; ".join(events) or "nothing happened")
 
 
 def error_message(e: BaseException) -> str:

@@ -132,7 +132,7 @@ def print_table(reports: list[TurnReport]) -> None:
     for i, r in enumerate(reports, 1):
         print(f"{i:>4}  {_fmt(r.end_of_turn_delay_s):>7} {_fmt(r.stt_s):>7} {_fmt(r.llm_ttft_s):>8} "
               f"{_fmt(r.tts_ttfb_s):>8} {_fmt(r.voice_to_voice_s):>7} {r.reply_audio_s:>7.2f}  "
-              f"{r.transcript!r} -> {r.reply_text[:60]!r}")  # fmt: skip
+              f"{r.transcript!r} -> {'(said nothing)' if r.silent else repr(r.reply_text[:60])}")  # fmt: skip
 
 
 def check_output(out: Path) -> None:
