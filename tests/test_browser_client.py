@@ -5,8 +5,9 @@ input (4xx JSON), a missing livekit-client build, and that the API secret reache
 The slow test is the call test of `test_livekit_call.py` with a browser as the caller: a LiveKit
 server, the scripted LLM, the TTS engine, a `voice-agent start` worker and a `voice-agent web`
 server run on 127.0.0.1; `tests/browser/call.mjs` (playwright-core) drives Debian's Chromium,
-whose fake microphone plays an espeak-ng question from a WAV file, through the page: Join, the
-user's transcript, the agent's transcript, audible agent audio and the page's latency readout.
+whose fake microphone plays an espeak-ng question from a WAV file, through the page: Join (into a
+room the server picks: by default the page has no room field), the user's transcript, the
+agent's transcript, audible agent audio and the page's latency readout.
 
 Needs `scripts/install_browser.sh` (Debian chromium; npm ci for livekit-client and
 playwright-core). Without it the browser test is skipped with the reason, or fails when CI is set.
@@ -23,7 +24,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 import wave
 from pathlib import Path
 
@@ -81,15 +81,22 @@ async def test_token_endpoint_grants_and_secrecy():
         second = await (await client.post("/api/token")).json()  # no body at all
         assert second["identity"] != body["identity"] and second["room"] != body["room"]
 
-        given = await (await client.post("/api/token", json={"room": "my-room.1"})).json()
-        claims = api.TokenVerifier("webtestkey", SECRET).verify(given["token"])
-        assert given["room"] == claims.video.room == "my-room.1"
+        named = await client.post("/api/token", json={"room": "my-room.1"})
+        assert named.status == 403  # the server picks the room (tests/test_web_token_security.py)
 
-        for page in ("/", "/app.js", "/style.css"):
+        for page in ("/", "/app.js", "/style.css", "/api/config"):
             r = await client.get(page)
             assert r.status == 200, page
             assert SECRET not in await r.text(), page
             assert "default-src 'self'" in r.headers["Content-Security-Policy"]
+
+    # named rooms allowed, occupied ones too (no LiveKit server is asked): the name is granted
+    settings = _settings(web_allow_room_names=True, web_allow_occupied_rooms=True)
+    async with TestClient(TestServer(web_client.create_app(settings))) as client:
+        given = await (await client.post("/api/token", json={"room": "my-room.1"})).json()
+        claims = api.TokenVerifier("webtestkey", SECRET).verify(given["token"])
+        assert given["room"] == claims.video.room == "my-room.1"
+        assert SECRET not in json.dumps(given)
 
 
 @pytest.mark.parametrize("body, status, says", [
@@ -249,7 +256,6 @@ async def test_call_from_chromium(browser_tools, livekit_server, tiny_checkpoint
               "LIVEKIT_API_SECRET": server.api_secret}  # fmt: skip
     web_port = free_port()
     web_url = f"http://127.0.0.1:{web_port}"
-    room = f"browser-{uuid.uuid4().hex[:8]}"
     screenshot = tmp_path / "browser-call.png"
     llm = web = worker = None
     log = tmp_path / "worker.log"
@@ -284,13 +290,15 @@ async def test_call_from_chromium(browser_tools, livekit_server, tiny_checkpoint
         print(f"servers ready {time.monotonic() - t_start:.1f}s after the test started")
 
         t_browser = time.monotonic()
-        result = await asyncio.to_thread(_drive_browser, f"{web_url}/", wav, room, screenshot,
+        # no room from the test: the page offers no room field, the server picks the room
+        result = await asyncio.to_thread(_drive_browser, f"{web_url}/", wav, "", screenshot,
                                          tmp_path / "browser.log")  # fmt: skip
         record_property("browser_s", round(time.monotonic() - t_browser, 2))
     finally:
         if web is not None:
             await asyncio.to_thread(_stop_group, web)
-        await _delete_room(server, room)  # else the job waits out the room's departure timeout
+        for room in await _web_rooms(server, result):  # else the job waits out the room's
+            await _delete_room(server, room)  # departure timeout
         if worker is not None:
             await asyncio.to_thread(_stop_worker, worker)
         if llm is not None:
@@ -306,7 +314,7 @@ async def test_call_from_chromium(browser_tools, livekit_server, tiny_checkpoint
                f"{(tmp_path / 'browser.log').read_text(errors='replace')[-2000:]}")  # fmt: skip
     assert result.get("ok"), f"the browser call failed at {result.get('failed')}: {context}"
     assert result["exit_code"] == 0 and screenshot.is_file() and screenshot.stat().st_size > 0
-    assert state["room"] == room and state["error"] is None, context
+    assert state["room"].startswith(web_client.ROOM_PREFIX) and state["error"] is None, context
     user = " ".join(t["text"].lower() for t in state["transcript"] if t["speaker"] == "user")
     agent = " ".join(t["text"].lower() for t in state["transcript"] if t["speaker"] == "agent")
     assert all(w in user for w in WORDS), context
@@ -329,6 +337,22 @@ async def test_call_from_chromium(browser_tools, livekit_server, tiny_checkpoint
           f"{state['latency_after_turn_ms']} ms after the agent's end of turn")  # fmt: skip
     record_property("latency_ms", state["latency_ms"])
     record_property("test_s", round(time.monotonic() - t_start, 1))
+
+
+async def _web_rooms(server, result: dict) -> list[str]:
+    """The room the page joined (its state), or, when it did not get that far, every room of
+    the web server's naming that the LiveKit server has."""
+    if room := (result.get("state") or {}).get("room"):
+        return [room]
+    lk = api.LiveKitAPI(server.http_url, server.api_key, server.api_secret)
+    try:
+        rooms = (await asyncio.wait_for(lk.room.list_rooms(api.ListRoomsRequest()), 10)).rooms
+    except Exception as e:  # cleanup only: the test's own failure says more
+        print(f"could not list the rooms to delete: {e!r}")
+        return []
+    finally:
+        await lk.aclose()
+    return [r.name for r in rooms if r.name.startswith(web_client.ROOM_PREFIX)]
 
 
 async def _web_ready(http: httpx.AsyncClient, alive, timeout: float = 30.0) -> None:
@@ -360,3 +384,6 @@ async def _web_checks(http: httpx.AsyncClient, server) -> None:
     assert js.status_code == 200 and "LivekitClient" in js.text[:2000]
     bad = await http.post("/api/token", json={"room": "x" * 65})
     assert bad.status_code == 400 and "error" in bad.json()
+    named = await http.post("/api/token", json={"room": "someone-elses"})  # the default refuses
+    assert named.status_code == 403 and "WEB_ALLOW_ROOM_NAMES" in named.json()["error"]["message"]
+    assert (await http.get("/api/config")).json() == {"named_rooms": False}  # no room field

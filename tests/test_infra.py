@@ -49,7 +49,7 @@ WORKER_BASELINE_MB = 450
 FOOTPRINT = {v: (w + WORKER_BASELINE_MB) * MB for v, w in WEIGHTS_MB.items()}
 
 # Variables the deployment may set that are not voice-agent settings.
-OTHER_ENV = {"LIVEKIT_URL", "LIVEKIT_API_KEY", "LIVEKIT_API_SECRET", "NUM_CPUS"}
+OTHER_ENV = {"LIVEKIT_URL", "LIVEKIT_API_KEY", "LIVEKIT_API_SECRET", "NUM_CPUS", "QWEN3_TTS_API_KEY"}
 # Top-level keys of livekit/sip's pkg/config Config (yaml tags).
 SIP_CONFIG_KEYS = {
     "redis", "api_key", "api_secret", "ws_url", "health_port", "prometheus_port", "pprof_port",
@@ -313,6 +313,42 @@ def test_dockerfile_references_what_the_repository_has():
     assert {"agent", "tts-engine"} <= dockerfile_targets()
 
 
+def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
+    """Each stage's own instructions, by name."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    for word, rest in dockerfile_instructions():
+        if word == "FROM":
+            current = stages.setdefault(rest.split()[-1], [])
+        else:
+            current.append((word, rest))
+    return stages
+
+
+def image_user() -> tuple[int, str]:
+    """The uid the images run as, and its home (where the caches live)."""
+    useradd = next(rest for word, rest in dockerfile_stages()["base"] if word == "RUN" and "useradd" in rest)
+    uid = int(re.search(r"useradd --uid (\d+)", useradd).group(1))
+    home = re.search(r"--home-dir (\S+)", useradd).group(1)
+    return uid, home
+
+
+def test_images_run_as_an_unprivileged_user():
+    uid, home = image_user()
+    assert uid != 0
+    stages = dockerfile_stages()
+    for target in ("agent", "tts-engine"):
+        words = [w for w, _ in stages[target]]
+        users = [rest for w, rest in stages[target] if w == "USER"]
+        assert users and users[-1] == f"{uid}:{uid}", (target, users)  # numeric: runAsNonRoot checks it
+        assert words.index("USER") < words.index("CMD"), target
+        assert ("ENV", f"HOME={home}") in stages[target], target
+    # the caches exist in the image and belong to that user (a fresh volume copies the ownership)
+    (setup,) = [rest for w, rest in stages["base"] if w == "RUN" and "useradd" in rest]
+    for cache in ("huggingface", "qwen3-tts", "qwen3-voice-agent"):
+        assert f"{home}/.cache/{cache}" in setup
+    assert f"chown -R app:app {home}/.cache" in setup
+
+
 # -- compose ------------------------------------------------------------------------------------
 
 
@@ -401,6 +437,26 @@ def test_compose_agent_wiring(compose):
         assert "host.docker.internal:host-gateway" in agent["extra_hosts"]
     else:
         assert lk_url.hostname in services
+
+
+def test_compose_engines_need_a_key_and_images_write_only_caches(compose):
+    from qwen3_tts_engine.serving.auth import exposure_problem
+
+    uid, home = image_user()
+    services = compose["services"]
+    for name, service in {**tts_engines(services), "agent": services["agent"]}.items():
+        key = env_of(service)["QWEN3_TTS_API_KEY"]
+        assert key.startswith("${QWEN3_TTS_API_KEY:?"), f"{name}: the key is required, got {key}"
+        assert service["read_only"] is True and service["tmpfs"] == ["/tmp"], name
+        assert service["cap_drop"] == ["ALL"], name
+        for volume in service.get("volumes", []):
+            src, target = volume.split(":")[:2]
+            assert src.startswith(".") or target.startswith(f"{home}/.cache/"), (name, volume)
+    for name, engine in tts_engines(services).items():
+        args = serve_args(engine["command"])
+        assert not args.insecure_no_auth, name
+        # with the (required) key set, the engine's own check lets it listen on every interface
+        assert exposure_problem(args.host, None, None) and not exposure_problem(args.host, "key", None)
 
 
 def test_compose_livekit_sip_and_redis(compose):
@@ -508,6 +564,26 @@ def test_k8s_agent_worker_drain_config_and_urls():
     # The Prometheus annotation points at METRICS_PORT.
     notes = deployment["spec"]["template"]["metadata"]["annotations"]
     assert notes["prometheus.io/port"] == objs[("ConfigMap", config_maps[0])]["data"]["METRICS_PORT"]
+
+
+def test_k8s_pods_run_unprivileged_with_the_engine_key():
+    uid, home = image_user()
+    objs = k8s_objects()
+    for name in ("tts-engine", "agent-worker"):
+        pod = objs[("Deployment", name)]["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] == uid == pod["securityContext"]["fsGroup"]
+        c = container(objs, name)
+        sc = c["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert mounts == {f"{home}/.cache", "/tmp"}, (name, mounts)
+        env = {e["name"]: e for e in c.get("env", [])}
+        ref = env["QWEN3_TTS_API_KEY"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": "qwen3-tts", "key": "api-key"}, (name, ref)  # not optional
+    args = serve_args(container(objs, "tts-engine")["args"])
+    assert not args.insecure_no_auth
 
 
 def test_k8s_kustomization():

@@ -201,8 +201,18 @@ class WebSettings(_EnvSettings):
     web_host: str = _f("WEB_HOST", "127.0.0.1", "address the web server binds (the token "
                        "endpoint has no login: expose it only behind your own auth)")
     web_port: int = _f("WEB_PORT", 8300, "port of the web server", check=_port)
-    web_token_ttl: int = _f("WEB_TOKEN_TTL", 600, "seconds a token stays valid for joining",
-                            check=_positive)
+    web_token_ttl: int = _f("WEB_TOKEN_TTL", 600, "seconds a token stays valid for joining (keep "
+                            "it short: a leaked token joins its room until then)", check=_positive)
+    web_token_rate: int = _f("WEB_TOKEN_RATE", 10, "token requests per minute from one client "
+                             "address, refused or not (over it: 429 with Retry-After; 0: no limit)",
+                             check=_not_negative)
+    web_allow_room_names: bool = _f("WEB_ALLOW_ROOM_NAMES", False, "let visitors name the room "
+                                    "they join (off: 403 for a named room; every visit gets a "
+                                    "new unguessable room)")
+    web_allow_occupied_rooms: bool = _f("WEB_ALLOW_OCCUPIED_ROOMS", False, "with "
+                                        "WEB_ALLOW_ROOM_NAMES: also grant a named room that "
+                                        "already has a person in it (off: 409; the LiveKit "
+                                        "server is asked, 503 when it cannot be)")
     web_client_js: str | None = _f("WEB_CLIENT_JS", None, "path of livekit-client.umd.js (unset: "
                                    "agent/voice_agent/web/node_modules, from npm ci)")
 

@@ -25,7 +25,7 @@ from .protocol import (
     check_input,
     normalize_language,
 )
-from .serving.auth import bearer_header
+from .serving.auth import API_KEY_ENV, OPERATOR_KEY_ENV, bearer_header
 from .testing import TINY_WARNING, default_tiny_checkpoint
 
 
@@ -81,7 +81,8 @@ def build_server(args: argparse.Namespace):
     variants = args.variant or ([policy.ladder[0]] if args.ladder_given else [None])
     handlers = [Handler(model, v, max_queue=args.max_queue) for v in variants]
     config = ServerConfig(
-        host=args.host, port=args.port, api_key=os.environ.get("QWEN3_TTS_API_KEY") or None,
+        host=args.host, port=args.port, api_key=os.environ.get(API_KEY_ENV) or None,
+        operator_key=os.environ.get(OPERATOR_KEY_ENV) or None, insecure_no_auth=args.insecure_no_auth,
         ref_audio_dir=Path(args.ref_audio_dir) if args.ref_audio_dir else None,
         limits=Limits(max_input_chars=args.max_input_chars), max_queue=args.max_queue,
     )  # fmt: skip
@@ -98,14 +99,22 @@ def build_server(args: argparse.Namespace):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     _need_mlx()
-    from qwen3_tts_engine.serving.app import serve_forever
+    from qwen3_tts_engine.serving.app import InsecureServerError, serve_forever
+    from qwen3_tts_engine.serving.auth import exposure_problem
 
+    problem = exposure_problem(args.host, os.environ.get(API_KEY_ENV), os.environ.get(OPERATOR_KEY_ENV))
+    if problem and not args.insecure_no_auth:  # before a model loads
+        print(f"qwen3-tts: error: {problem}", file=sys.stderr)
+        return 2
     if not args.model:
         print(TINY_WARNING, file=sys.stderr)
     try:
         asyncio.run(serve_forever(build_server(args)))
     except KeyboardInterrupt:
         pass
+    except InsecureServerError as e:
+        print(f"qwen3-tts: error: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         if e.errno != errno.EADDRINUSE:
             raise
@@ -122,7 +131,8 @@ def cmd_variant(args: argparse.Namespace) -> int:
     """Show the governor's state, or swap the engine to a variant (pinned) / back to "auto"."""
     import httpx
 
-    headers = bearer_header(os.environ.get("QWEN3_TTS_API_KEY"))
+    # the operator key where it is set (changing the variant may need it; it reads status too)
+    headers = bearer_header(os.environ.get(OPERATOR_KEY_ENV) or os.environ.get(API_KEY_ENV))
     base = args.server.rstrip("/")
     timeout = httpx.Timeout(args.timeout, connect=10)
     if args.name is None:
@@ -188,7 +198,7 @@ def _say_remote(args: argparse.Namespace, req: SpeechRequest) -> tuple[dict, byt
 
     body = {k: v for k, v in req.to_dict().items() if v is not None}
     body.update(stream=True, response_format="pcm")
-    headers = bearer_header(os.environ.get("QWEN3_TTS_API_KEY"))
+    headers = bearer_header(os.environ.get(API_KEY_ENV))
     pcm, chunks, first = [], [], None
     t0 = time.perf_counter()
     url = args.server.rstrip("/") + "/v1/audio/speech"
@@ -362,8 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", help="hub id or local checkpoint (default: a tiny random one)")
     s.add_argument("--variant", action="append", help="variant to load (repeat for several; "
                    "the first serves by default): bf16, 8bit, 6bit, 4bit, talker-mlp-w4, ...")
-    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on; any but loopback "
+                   f"needs {API_KEY_ENV} (or --insecure-no-auth)")
     s.add_argument("--port", type=int, default=8880)
+    s.add_argument("--insecure-no-auth", action="store_true",
+                   help=f"listen on a non-loopback --host without {API_KEY_ENV}: anyone who can "
+                   "reach the port may synthesize and read the status (warned at every start)")
     s.add_argument("--ref-audio-dir", help="folder whose files ref_audio may name")
     s.add_argument("--max-queue", type=int, default=32)
     s.add_argument("--max-input-chars", type=int, default=4000)

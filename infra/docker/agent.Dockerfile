@@ -5,6 +5,11 @@
 # tests/test_infra.py checks that every file copied here exists and that the package names are
 # workspace members, and plans the engine image's install from only what its stage copies (no
 # docker engine runs in the tests).
+#
+# Both images run as the unprivileged user `app` (uid/gid 10001): the code and the virtual
+# environment belong to root and are read-only to it; its only writable paths are its caches
+# (/home/app/.cache: Hugging Face downloads, quantize-on-load results, the agent's files) and /tmp.
+# compose.yaml and the Kubernetes files mount volumes there and keep the rest read-only.
 
 FROM python:3.11-slim AS base
 ENV PYTHONUNBUFFERED=1 \
@@ -13,6 +18,10 @@ ENV PYTHONUNBUFFERED=1 \
     UV_PROJECT_ENVIRONMENT=/app/.venv \
     PATH=/app/.venv/bin:$PATH
 RUN pip install --no-cache-dir uv==0.13.9
+RUN groupadd --gid 10001 app \
+    && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/app --shell /usr/sbin/nologin app \
+    && mkdir -p /home/app/.cache/huggingface /home/app/.cache/qwen3-tts /home/app/.cache/qwen3-voice-agent \
+    && chown -R app:app /home/app/.cache
 WORKDIR /app
 # The workspace: root project, lock file and every member's manifest (uv reads the workspace
 # from them); each image then copies the sources of the members it installs.
@@ -36,6 +45,8 @@ EXPOSE 8081
 # Exec form: the worker is PID 1 and gets SIGTERM itself; the first SIGTERM drains (no new jobs,
 # calls in progress finish), a second one exits at once. See infra/k8s/agent-worker.yaml.
 STOPSIGNAL SIGTERM
+ENV HOME=/home/app
+USER 10001:10001
 CMD ["voice-agent", "start"]
 
 # -- the Qwen3-TTS engine server ---------------------------------------------------------------
@@ -54,4 +65,7 @@ COPY engine/ engine/
 RUN uv sync --frozen --no-dev --package qwen3-tts-engine
 EXPOSE 8880
 STOPSIGNAL SIGTERM
+ENV HOME=/home/app
+USER 10001:10001
+# Listening on every interface needs QWEN3_TTS_API_KEY (the engine refuses to start without it).
 CMD ["qwen3-tts", "serve", "--host", "0.0.0.0", "--port", "8880"]

@@ -1,8 +1,10 @@
 // The voice agent's browser client, on LiveKit's JS client (window.LivekitClient, the UMD build
 // that `voice-agent web` serves from node_modules). No build step, no framework.
 //
-// Join: POST /api/token -> connect to the room -> publish the microphone; the worker's automatic
-// dispatch sends an agent into the room. The agent's audio plays in <audio id="agent-audio">;
+// Start: GET /api/config says whether the server lets visitors name a room (WEB_ALLOW_ROOM_NAMES);
+// only then is the room field shown. Join: POST /api/token ({} or {room}) -> connect to the room
+// -> publish the microphone; the worker's automatic dispatch sends an agent into the room. A
+// refused token (403, 409, 429, 503) shows the server's message in #error. The agent's audio plays in <audio id="agent-audio">;
 // transcripts of both sides arrive as text streams on the topic `lk.transcription`.
 //
 // State for people and for tests lives in the DOM:
@@ -205,7 +207,8 @@
     event.preventDefault();
     showError('');
     const roomField = $('room');
-    if (!roomField.checkValidity()) {
+    const roomName = roomField.hidden ? '' : roomField.value;
+    if (roomName && !roomField.checkValidity()) {
       showError('Room names are 1-64 letters, digits, "_", "-" or ".", starting with a letter or digit.');
       return;
     }
@@ -217,7 +220,7 @@
       const res = await fetch('/api/token', {
         method: 'POST',
         headers: { 'Content-Type': 'application/json' },
-        body: JSON.stringify(roomField.value ? { room: roomField.value } : {}),
+        body: JSON.stringify(roomName ? { room: roomName } : {}),
       });
       const body = await res.json().catch(() => ({}));
       if (!res.ok) throw new Error((body.error && body.error.message) || `token endpoint: HTTP ${res.status}`);
@@ -292,6 +295,20 @@
     if (room) await room.disconnect();
   }
 
+  // The room field only where the server grants named rooms; without an answer, none.
+  async function loadConfig() {
+    let named = false;
+    try {
+      const res = await fetch('/api/config', { cache: 'no-store' });
+      named = res.ok && (await res.json()).named_rooms === true;
+    } catch (e) {
+      console.warn('GET /api/config failed', e);
+    }
+    $('room-label').hidden = !named;
+    $('room').hidden = !named;
+    $('room-note').hidden = named;
+  }
+
   if (!LK) {
     showError('livekit-client.umd.js did not load. Install it on the server with: '
       + 'npm ci --prefix agent/voice_agent/web (or bash scripts/install_browser.sh)');
@@ -301,5 +318,5 @@
   LK.setLogLevel('warn');
   $('controls').addEventListener('submit', join);
   $('leave').addEventListener('click', leave);
-  document.body.dataset.ready = 'true';
+  loadConfig().finally(() => { document.body.dataset.ready = 'true'; });
 })();

@@ -45,7 +45,7 @@ from qwen3_tts_engine.runtime.engine import Engine
 from qwen3_tts_engine.runtime.handler import Result
 from qwen3_tts_engine.runtime.ref_audio import resolve_ref_audio
 
-from .auth import authorized
+from .auth import authorized, carries, exposure_problem
 from .errors import MAPPED, as_request_error, error_response
 from .metrics import Metrics
 
@@ -64,11 +64,18 @@ def speech_usage(req: SpeechRequest, result: Result) -> dict:
     return {"input_tokens": chars, "output_tokens": frames, "total_tokens": chars + frames}
 
 
+class InsecureServerError(ValueError):
+    """The server would listen on a network address without an API key."""
+
+
 @dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8880
     api_key: str | None = None  # bearer token for /v1/*; from QWEN3_TTS_API_KEY
+    operator_key: str | None = None  # alone may change the variant; from QWEN3_TTS_OPERATOR_KEY
+    # serve a non-loopback host without an API key (refused otherwise)
+    insecure_no_auth: bool = False
     ref_audio_dir: Path | None = None
     limits: Limits = field(default_factory=Limits)
     max_body_bytes: int = 12 * 1024 * 1024
@@ -105,7 +112,16 @@ class EngineServer:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> int:
-        """Bind first (so /health answers while models load), then start the handlers."""
+        """Bind first (so /health answers while models load), then start the handlers.
+
+        Raises `InsecureServerError` for a non-loopback host without an API key, unless
+        `insecure_no_auth` says the operator means it (then a warning, on every start)."""
+        problem = exposure_problem(self.config.host, self.config.api_key, self.config.operator_key)
+        if problem and not self.config.insecure_no_auth:
+            raise InsecureServerError(problem)
+        if problem:
+            logger.warning("serving %s WITHOUT an API key (--insecure-no-auth): anyone who can "
+                           "reach it can synthesize and read its status", self.config.host)  # fmt: skip
         # handler_cancellation: a client that disconnects cancels its synthesis at once.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -139,7 +155,21 @@ class EngineServer:
             raise
 
     def _authorized(self, request: web.Request) -> bool:
-        return authorized(request.headers.get("Authorization"), self.config.api_key)
+        return authorized(request.headers.get("Authorization"), self.config.api_key,
+                          self.config.operator_key)  # fmt: skip
+
+    def _operator_refusal(self, request: web.Request) -> RequestError | None:
+        """Why this request may not change the variant (None: it may)."""
+        header = request.headers.get("Authorization")
+        if not self.config.operator_key:
+            ok = authorized(header, self.config.api_key)
+            return None if ok else RequestError("missing or wrong bearer token", status=401)
+        if carries(header, self.config.operator_key):
+            return None
+        if self.config.api_key and carries(header, self.config.api_key):
+            return RequestError("changing the variant needs the operator key "
+                                "(QWEN3_TTS_OPERATOR_KEY), not the API key", status=403)  # fmt: skip
+        return RequestError("missing or wrong bearer token (the operator key)", status=401)
 
     # -- routes ------------------------------------------------------------------------------
 
@@ -187,8 +217,9 @@ class EngineServer:
 
     async def set_variant(self, request: web.Request) -> web.Response:
         """Operator override: swap to a variant now (pinned unless `pin` is false), or "auto"."""
-        if not self._authorized(request):
-            return error_response(RequestError("missing or wrong bearer token", status=401))
+        refusal = self._operator_refusal(request)
+        if refusal is not None:
+            return error_response(refusal)
         if self.governor is None:
             return error_response(RequestError("this engine runs without a governor", status=409))
         try:

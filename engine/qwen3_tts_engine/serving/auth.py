@@ -1,8 +1,16 @@
-"""Bearer-token auth for `/v1/*`: the server's check and the header a client sends."""
+"""Bearer-token auth for `/v1/*`: the server's checks and the header a client sends.
+
+Two keys: the API key (synthesis, models, status) and an optional operator key, which alone may
+change the served variant when it is set (and is accepted wherever the API key is).
+"""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
+
+API_KEY_ENV = "QWEN3_TTS_API_KEY"
+OPERATOR_KEY_ENV = "QWEN3_TTS_OPERATOR_KEY"
 
 
 def bearer_header(api_key: str | None) -> dict[str, str]:
@@ -10,9 +18,36 @@ def bearer_header(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def authorized(header: str | None, api_key: str | None) -> bool:
-    """True when no key is configured, or `header` carries it (constant-time compare)."""
-    if not api_key:
-        return True
+def carries(header: str | None, key: str) -> bool:
+    """`header` is "Bearer <key>" (constant-time compare)."""
     got = header or ""
-    return got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), api_key.encode())
+    return got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), key.encode())
+
+
+def authorized(header: str | None, api_key: str | None, operator_key: str | None = None) -> bool:
+    """True when no key is configured, or `header` carries the API key or the operator key."""
+    if not api_key and not operator_key:
+        return True
+    return any(carries(header, k) for k in (api_key, operator_key) if k)
+
+
+def is_loopback(host: str) -> bool:
+    """`host` only accepts connections from this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False  # a host name or "" (every interface): reachable from elsewhere
+    mapped = getattr(ip, "ipv4_mapped", None)  # ::ffff:127.0.0.1 is loopback too
+    return (mapped or ip).is_loopback
+
+
+def exposure_problem(host: str, api_key: str | None, operator_key: str | None) -> str | None:
+    """Why serving on `host` with these keys would be an open engine on a network, or None."""
+    if is_loopback(host) or api_key:
+        return None
+    what = "an operator key only" if operator_key else "no API key"
+    return (f"refusing to listen on {host} with {what}: anyone who can reach it could synthesize "
+            f"and read the engine's status. Set {API_KEY_ENV} (clients send it as a bearer token), "
+            "listen on 127.0.0.1, or pass --insecure-no-auth if an open engine is what you mean")
