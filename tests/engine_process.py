@@ -20,10 +20,12 @@ def free_port() -> int:
 
 
 class EngineProcess:
-    def __init__(self, model: Path | str, port: int | None = None, *args: str) -> None:
+    def __init__(self, model: Path | str, port: int | None = None, *args: str,
+                 env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.model = str(model)
         self.port = port or free_port()
         self.args = args
+        self.env = env or {}
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -34,7 +36,7 @@ class EngineProcess:
         exe = Path(sys.executable).with_name("qwen3-tts")
         self.proc = subprocess.Popen(
             [str(exe), "serve", "--model", self.model, "--port", str(self.port), *self.args],
-            env={**os.environ, "QWEN3_TTS_LOG_LEVEL": "WARNING"},
+            env={**os.environ, "QWEN3_TTS_LOG_LEVEL": "WARNING", **self.env},
             start_new_session=True,  # kill() takes the worker processes down with it
         )
         deadline = time.monotonic() + timeout

@@ -24,9 +24,11 @@ from livekit import api, rtc
 from voice_agent.demo import load_turn_audio
 from voice_agent.speech_assets import speech_wav
 
-from .engine_process import EngineProcess
+from .engine_process import EngineProcess, free_port
 from .livekit_server import livekit_server  # noqa: F401 (the fixture)
 from .openai_server import ScriptedChatServer
+from .otlp_collector import OTLPCollector
+from .test_observability_infra import dashboard_metric_names
 
 pytestmark = [
     pytest.mark.slow,
@@ -181,9 +183,12 @@ class Caller:
 async def test_call_through_a_livekit_server(livekit_server, tiny_checkpoint, tmp_path,  # noqa: F811
                                              record_property):  # fmt: skip
     server = livekit_server
-    engine = EngineProcess(tiny_checkpoint("custom_voice"), None, "--no-governor")
+    collector = await OTLPCollector().start()  # the worker's and the engine's traces
+    otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    engine = EngineProcess(tiny_checkpoint("custom_voice"), None, "--no-governor", env=otel)
     await asyncio.to_thread(engine.start)
     llm = await ScriptedChatServer().start()
+    metrics_port = free_port()
     question = load_turn_audio(speech_wav(QUESTION, sample_rate=RATE))
     env = {**os.environ, "LIVEKIT_URL": server.url, "LIVEKIT_API_KEY": server.api_key,
            "LIVEKIT_API_SECRET": server.api_secret, "TTS_URL": engine.url, "LLM_BASE_URL": llm.url,
@@ -191,7 +196,8 @@ async def test_call_through_a_livekit_server(livekit_server, tiny_checkpoint, tm
            "HF_HUB_OFFLINE": "1", "LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE": "0",
            "VOICE_AGENT_CACHE": str(tmp_path / "va"),
            "AGENT_HTTP_PORT": "0",  # any free port: other tests may run workers meanwhile
-           "AGENT_LOAD_CPU": "0"}  # a busy CI machine must not keep the agent out  # fmt: skip
+           "AGENT_LOAD_CPU": "0",  # a busy CI machine must not keep the agent out
+           "METRICS_PORT": str(metrics_port), **otel}  # fmt: skip
     caller = Caller(f"caller-{uuid.uuid4().hex[:6]}")
     room = f"call-{uuid.uuid4().hex[:8]}"
     log = tmp_path / "worker.log"
@@ -238,15 +244,18 @@ async def test_call_through_a_livekit_server(livekit_server, tiny_checkpoint, tm
                      "the user's transcript", alive=worker_alive)  # fmt: skip
         await _until(lambda: "noon" in caller.agent_transcript().lower(),
                      "the agent's transcript", alive=worker_alive)  # fmt: skip
+        # the worker's /metrics carries the turn, observed in its job process
+        scrape = await _until_scraped(metrics_port, "voice_agent_turns_total", alive=worker_alive)
     except AssertionError as e:
         raise AssertionError(f"{e}\n--- worker log ---\n{log.read_text(errors='replace')[-4000:]}"
                              f"\n--- transcripts: {caller.transcripts}") from None  # fmt: skip
     finally:
         await caller.close()
         await _delete_room(server, room)  # else the job waits out the room's departure timeout
-        await asyncio.to_thread(_stop_worker, worker)
+        await asyncio.to_thread(_stop_worker, worker)  # the job's spans are flushed as it ends
         await llm.stop()
-        await asyncio.to_thread(engine.stop)
+        await asyncio.to_thread(engine.stop)  # the engine's too
+        await collector.stop()
 
     print(f"voice-to-voice seen by the caller: {voice_to_voice:.3f}s")
     print(f"transcripts: {caller.transcripts}")
@@ -261,3 +270,67 @@ async def test_call_through_a_livekit_server(livekit_server, tiny_checkpoint, tm
     loud = [peak for t, peak in caller.agent_frames if t > caller.speech_end and peak > SILENT_PEAK]
     assert len(loud) >= 10, f"only {len(loud)} non-silent agent frames"
     print(f"worker exit code: {worker.returncode}")
+
+    # Metrics: LiveKit's worker endpoint aggregates the job process's turn metrics (multiprocess)
+    # with its own job gauge (main process), every series in one scrape.
+    assert scrape["voice_agent_turns_total"] >= 1
+    for name in ("end_of_turn_delay", "transcription_delay", "llm_node_ttft", "tts_node_ttfb",
+                 "e2e_latency", "added_latency"):  # fmt: skip
+        assert scrape[f"voice_agent_{name}_seconds_count"] >= 1, name
+    assert "lk_agents_active_job_count" in scrape and "voice_agent_errors_total" in scrape
+    dashboard = {n for n in dashboard_metric_names() if n.startswith(("voice_agent_", "lk_agents_"))}
+    assert dashboard and dashboard <= scrape_families(scrape), dashboard - scrape_families(scrape)
+
+    # Traces: the turn's STT, LLM and TTS spans in one trace, and the engine's span as the child
+    # of the plugin's request (W3C traceparent).
+    names = {s.name for s in collector.spans if s.service == "voice-agent"}
+    assert {"user_turn", "stt_request", "llm_node", "tts_node", "qwen3_tts.request"} <= names, names
+    spans = collector.by_id()
+    engine_spans = collector.named("qwen3_tts.speech")
+    assert engine_spans and all(s.service == "qwen3-tts-engine" for s in engine_spans)
+    linked = [s for s in engine_spans if spans.get(s.parent_span_id) is not None
+              and spans[s.parent_span_id].name == "qwen3_tts.request"]  # fmt: skip
+    assert linked, [(s.name, s.parent_span_id) for s in engine_spans]
+    speech = linked[0]
+    request = spans[speech.parent_span_id]
+    assert speech.trace_id == request.trace_id and speech.attributes["qwen3_tts.frames"] > 0
+    children = {s.name for s in collector.spans if s.parent_span_id == speech.span_id}
+    assert children == {"qwen3_tts.queue", "qwen3_tts.synthesis"}, children
+    # ...and that trace is the turn's: the request hangs under LiveKit's tts_node
+    chain, span = [], request
+    while span is not None:
+        chain.append(span.name)
+        span = spans.get(span.parent_span_id)
+    assert "tts_node" in chain, chain
+
+
+async def _until_scraped(port: int, sample: str, alive) -> dict[str, float]:
+    """GET /metrics until `sample` is in it; {sample name with labels: value}."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+
+    def scraped() -> bool:
+        try:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return False
+        out.clear()
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[s.name] = out.get(s.name, 0.0) + s.value  # summed over labels
+        return out.get(sample, 0) >= 1
+
+    await _until(scraped, f"{sample} on the worker's /metrics", alive=alive)
+    return dict(out)
+
+
+def scrape_families(scrape: dict[str, float]) -> set[str]:
+    """Metric names as the dashboard writes them: samples, and families without suffixes."""
+    names = set(scrape)
+    for n in scrape:
+        for suffix in ("_bucket", "_sum", "_count", "_total", "_created"):
+            if n.endswith(suffix):
+                names.add(n.removesuffix(suffix))
+    return names

@@ -104,16 +104,27 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _metrics_port() -> int:
+    try:
+        return Settings.load().metrics_port
+    except Exception:  # run_worker reports a bad setting, in one line
+        return 0
+
+
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=os.environ.get("VOICE_AGENT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     args = build_parser().parse_args(argv)
     if args.command in LIVEKIT_COMMANDS:
-        from .worker import run_worker
-
         lk_argv, env = livekit_argv(args)
         os.environ.update(env)
+        if args.command in ("start", "dev") and _metrics_port():
+            from .metrics_dir import use_multiprocess_dir
+
+            use_multiprocess_dir()  # before livekit.agents imports prometheus_client
+        from .worker import run_worker
+
         return run_worker(lk_argv)
     if args.command == "settings":
         print(markdown_table())

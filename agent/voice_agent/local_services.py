@@ -232,6 +232,7 @@ def _stop_if_unused(key: str, service: int) -> bool:
 def _launch(key: str, cmd: list[str], log, env: dict | None) -> subprocess.Popen:
     """Start `cmd` through `_service_main` in its own session (it outlives job processes)."""
     env = dict(os.environ if env is None else env)
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # the worker's: the engine's metrics are its own
     env[_SERVICE_SPEC] = json.dumps({"key": key, "cache": str(cache_dir()), "cmd": cmd})
     code = "from voice_agent.local_services import _service_main; _service_main()"
     wrapper = [sys.executable, "-c", code]

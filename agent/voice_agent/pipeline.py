@@ -21,6 +21,7 @@ from livekit.agents import (
 )
 from livekit.agents.voice.agent_session import SessionConnectOptions
 
+from .observability import APOLOGIES
 from .settings import Settings
 
 logger = logging.getLogger("voice_agent")
@@ -50,6 +51,7 @@ class VoiceAgent(Agent):
         except Exception as e:  # APIConnectionError, APIStatusError, timeouts...
             logger.error("LLM failed (%s: %s); speaking an apology", type(e).__name__, e)
             if not said:
+                APOLOGIES.inc()
                 yield APOLOGY
 
 

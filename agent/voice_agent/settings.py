@@ -165,8 +165,9 @@ class Settings(_EnvSettings):
                              check=_positive)
     instructions: str = _f("AGENT_INSTRUCTIONS", "You are a helpful voice assistant. Answer in one "
                            "or two short spoken sentences, without markdown.", "system prompt")
-    metrics_port: int = _f("METRICS_PORT", 0, "Prometheus/health port of the agent (0: off)",
-                           check=_port)
+    metrics_port: int = _f("METRICS_PORT", 0, "Prometheus port of the agent (`/metrics`; 0: off): "
+                           "in start/dev mode LiveKit's worker endpoint, carrying every job "
+                           "process's turns (prometheus-client multiprocess mode)", check=_port)
     tts_timeout: float = _f("TTS_TIMEOUT", 30.0, "seconds the agent waits for the TTS engine's "
                             "response and then for each next chunk before it fails over or gives "
                             "up (a shared engine's queue counts)", check=_positive)
@@ -179,6 +180,9 @@ class Settings(_EnvSettings):
     agent_load_cpu: bool = _f("AGENT_LOAD_CPU", True, "count this host's CPU in the load (off: "
                               "only the TTS engine's queue and memory, e.g. when the engine and "
                               "its CPU are on another host)")
+    agent_http_host: str = _f("AGENT_HTTP_HOST", "127.0.0.1", "address the worker's health, load "
+                              "and metrics endpoints bind (0.0.0.0 in a container, for probes "
+                              "and Prometheus)")
     agent_http_port: int = _f("AGENT_HTTP_PORT", 8081, "port of the worker's health and load "
                               "endpoints (`/`, `/worker`; 0: any free port)", check=_port)
     worker_tag: str | None = _f("WORKER_TAG", None, "name of this worker, published as the agent "

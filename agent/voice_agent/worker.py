@@ -7,6 +7,7 @@ loads Silero and faster-whisper once (prewarm) and serves its rooms with them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -23,7 +24,7 @@ from livekit.agents.worker import _DefaultLoadCalc
 from livekit.plugins.qwen3_tts import EngineLoad
 
 from .local_services import LocalService, ensure_llm, ensure_tts_engine, resolve_offline
-from .observability import TurnMetrics
+from .observability import TurnMetrics, tracer_provider_from_env
 from .pipeline import VoiceAgent, build_session, build_stt
 from .settings import Settings
 
@@ -134,6 +135,13 @@ def prewarm(proc: JobProcess) -> None:
     stt = build_stt(settings)
     stt.load()  # the model is loaded once per process and shared by its jobs
     proc.userdata["stt"] = stt
+    # traces of each turn (LiveKit's spans: user turn, STT, LLM, TTS, our engine requests)
+    provider = tracer_provider_from_env()
+    if provider is not None:
+        from livekit.agents.telemetry import set_tracer_provider
+
+        set_tracer_provider(provider)
+    proc.userdata["tracer_provider"] = provider
 
 
 server = AgentServer(setup_fnc=prewarm, load_fnc=load)
@@ -145,6 +153,11 @@ async def entrypoint(ctx: JobContext) -> None:
     session = build_session(settings, tts_url=os.environ["TTS_URL"], llm_url=os.environ["LLM_BASE_URL"],
                             vad=ctx.proc.userdata["vad"], stt=ctx.proc.userdata["stt"])  # fmt: skip
     TurnMetrics(session)  # one log line per turn, with LiveKit's per-turn latencies
+    if (provider := ctx.proc.userdata.get("tracer_provider")) is not None:
+        async def flush_traces(*_) -> None:  # the call's spans leave before the process may end
+            await asyncio.to_thread(provider.force_flush)
+
+        ctx.add_shutdown_callback(flush_traces)
     await session.start(agent=VoiceAgent(settings.instructions), room=ctx.room)
     if settings.worker_tag:  # which worker (host) serves this call, for operators and tests
         await ctx.room.local_participant.set_attributes({"worker": settings.worker_tag})
@@ -219,7 +232,10 @@ def run_worker(argv: list[str]) -> int:
             os.environ["LLM_MODEL"] = llm.model
         os.environ["TTS_QUEUE_CAPACITY"] = str(settings.tts_queue_capacity)  # `load` reads the env
         os.environ["AGENT_LOAD_CPU"] = "1" if settings.agent_load_cpu else "0"
-        server._port = settings.agent_http_port  # no public setter; two workers on a host need two
+        # no public setters: two workers on a host need two ports; LiveKit serves /metrics itself
+        server._host, server._port = settings.agent_http_host, settings.agent_http_port
+        if settings.metrics_port and command in ("start", "dev"):
+            server._prometheus_port = settings.metrics_port
         if command == "start":  # dev keeps LiveKit's development default (no limit)
             server.update_options(load_threshold=settings.agent_load_threshold)
         sys.argv = ["voice-agent", *argv]

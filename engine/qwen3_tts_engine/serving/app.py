@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, StatusCode
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from qwen3_tts_engine.audio import AudioEncoder, encode_whole
@@ -48,6 +50,7 @@ from qwen3_tts_engine.runtime.ref_audio import resolve_ref_audio
 from .auth import authorized, carries, exposure_problem
 from .errors import MAPPED, as_request_error, error_response
 from .metrics import Metrics
+from .tracing import extract_context, tracer
 
 _request_ids = itertools.count(1)
 
@@ -281,14 +284,21 @@ class EngineServer:
     async def speech(self, request: web.Request) -> web.StreamResponse:
         rid = request.headers.get(HEADER_REQUEST_ID) or f"tts-{next(_request_ids)}"
         t0 = time.perf_counter()
-        try:
-            response = await self._speech(request, rid, t0)
-        except RequestError as e:
-            self.metrics.requests.labels(str(e.status)).inc()
-            logger.info("%s rejected (%d): %s", rid, e.status, e.message)
-            return error_response(e, retry_after_s=self.config.retry_after_s)
-        self.metrics.requests.labels(str(response.status)).inc()
-        return response
+        # a child of the caller's span when the request carries `traceparent`
+        with tracer.start_as_current_span("qwen3_tts.speech", context=extract_context(request.headers),
+                                          kind=SpanKind.SERVER,
+                                          attributes={"qwen3_tts.request_id": rid}) as span:  # fmt: skip
+            try:
+                response = await self._speech(request, rid, t0)
+            except RequestError as e:
+                self.metrics.requests.labels(str(e.status)).inc()
+                logger.info("%s rejected (%d): %s", rid, e.status, e.message)
+                span.set_attribute("http.response.status_code", e.status)
+                span.set_status(StatusCode.ERROR, e.message)
+                return error_response(e, retry_after_s=self.config.retry_after_s)
+            self.metrics.requests.labels(str(response.status)).inc()
+            span.set_attribute("http.response.status_code", response.status)
+            return response
 
     async def _speech(self, request: web.Request, rid: str, t0: float) -> web.StreamResponse:
         if not self._authorized(request):
@@ -406,14 +416,34 @@ class EngineServer:
         self.metrics.chunk_compute.labels(variant).observe(chunk.compute_s)
 
     def _observe_done(self, result: Result, rid: str, t0: float, n: int) -> None:
+        total = time.perf_counter() - t0
         logger.info("%s done: variant %s, %d chunks, first audio %.3fs, total %.3fs", rid,
-                    result.variant, n, result.first_audio_s or -1, time.perf_counter() - t0)  # fmt: skip
+                    result.variant, n, result.first_audio_s or -1, total)  # fmt: skip
+        span = trace.get_current_span()
+        if not span.is_recording():
+            return
+        stats = result.stats or {}
+        span.set_attributes({"qwen3_tts.variant": str(result.variant), "qwen3_tts.chunks": n,
+                             "qwen3_tts.frames": int(stats.get("frames", 0)),
+                             "qwen3_tts.queue_wait_s": result.queue_wait_s,
+                             "qwen3_tts.first_audio_s": result.first_audio_s or -1.0})  # fmt: skip
+        # the handler's part, as children: waiting for the worker, then synthesizing
+        end = time.time_ns()
+        start = end - int(total * 1e9)
+        queued = start + int(min(result.queue_wait_s, total) * 1e9)
+        attrs = {"qwen3_tts.variant": str(result.variant)}
+        tracer.start_span("qwen3_tts.queue", start_time=start, attributes=attrs).end(end_time=queued)
+        tracer.start_span("qwen3_tts.synthesis", start_time=queued, attributes=attrs).end(end_time=end)
 
 
 async def serve_forever(server: EngineServer) -> None:
-    """Run until SIGTERM/SIGINT, then stop the handlers (their workers exit)."""
+    """Run until SIGTERM/SIGINT, then stop the handlers (their workers exit). Traces go to the
+    OTLP endpoint in the environment, if one is set (flushed at the end)."""
     import signal
 
+    from .tracing import configure_from_env
+
+    provider = configure_from_env()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -423,3 +453,5 @@ async def serve_forever(server: EngineServer) -> None:
         await stop.wait()
     finally:
         await server.stop()
+        if provider is not None:
+            provider.shutdown()

@@ -15,6 +15,7 @@ import numpy as np
 from livekit import rtc
 from livekit.agents import APIError, stt, utils
 from livekit.agents.language import LanguageCode
+from livekit.agents.telemetry import tracer
 from livekit.agents.types import NOT_GIVEN, APIConnectOptions, NotGivenOr, TimedString
 from livekit.agents.utils import AudioBuffer, is_given
 
@@ -161,7 +162,15 @@ class STT(stt.STT):
         if is_given(language):
             opts = replace(opts, language=language)
         try:
-            return await asyncio.to_thread(_transcribe, buffer, opts)
+            # a span in LiveKit's trace of the turn (its STT base class makes none)
+            with tracer.start_as_current_span("stt_request") as span:
+                span.set_attributes({"faster_whisper.model": opts.model,
+                                     "faster_whisper.language": opts.language or ""})  # fmt: skip
+                event = await asyncio.to_thread(_transcribe, buffer, opts)
+                if event.recognition_usage is not None:
+                    span.set_attribute("faster_whisper.audio_duration_s",
+                                       event.recognition_usage.audio_duration)  # fmt: skip
+                return event
         except ModelLoadError as e:
             # retrying cannot help: the same files are missing on the next attempt
             raise APIError(str(e), retryable=False) from e

@@ -24,7 +24,10 @@ from livekit.agents import (
     tts,
     utils,
 )
+from livekit.agents.telemetry import tracer
 from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
 
 from .endpoints import Endpoint, EndpointPool
 from .log import logger
@@ -241,12 +244,29 @@ class TTS(tts.TTS):
         self, ep: Endpoint, body, report: SentenceReport, deliver, on_sent, t0,
         conn: APIConnectOptions, ahead: asyncio.Future | None,
     ) -> None:  # fmt: skip
+        # A span in LiveKit's trace of the turn; the engine continues it (W3C traceparent).
+        attrs = {"qwen3_tts.endpoint": ep.url, "qwen3_tts.text_chars": len(report.text)}
+        with tracer.start_as_current_span("qwen3_tts.request", kind=SpanKind.CLIENT,
+                                          attributes=attrs) as span:  # fmt: skip
+            headers = dict(self._headers)
+            propagate.inject(headers)
+            try:
+                await self._request(ep, body, report, deliver, on_sent, t0, conn, ahead, headers)
+            finally:
+                span.set_attributes({"qwen3_tts.variant": report.variant or "",
+                                     "qwen3_tts.first_audio_s": report.first_audio_s or -1.0,
+                                     "qwen3_tts.delivered_bytes": report.delivered_bytes})  # fmt: skip
+
+    async def _request(
+        self, ep: Endpoint, body, report: SentenceReport, deliver, on_sent, t0,
+        conn: APIConnectOptions, ahead: asyncio.Future | None, headers: dict[str, str],
+    ) -> None:  # fmt: skip
         ep.requests += 1
         on_sent()  # the text goes to the model now: LiveKit's TTFB starts here
         # Reads are timed here (not by httpx) so that a queued sentence's wait can be excused.
         timeout = httpx.Timeout(conn.timeout, read=None)
         request = self._client.build_request("POST", f"{ep.url}/v1/audio/speech", json=body,
-                                             headers=self._headers, timeout=timeout)  # fmt: skip
+                                             headers=headers, timeout=timeout)  # fmt: skip
         r = await self._open(request, conn.timeout, ahead)
         try:
             if r.status_code != 200:  # an error body is short; one that stalls is cut
