@@ -143,7 +143,9 @@ def test_the_engine_image_installs_the_engine_package_alone(tmp_path):
     plan = [line.split()[1].split("==")[0] for line in (out.stdout + out.stderr).splitlines()
             if line.startswith(" + ")]  # fmt: skip
     assert "qwen3-tts-engine" in plan and "mlx-audio" in plan
-    assert not [p for p in plan if p.startswith(("livekit", "opentelemetry", "grpcio", "openai"))], plan
+    assert not [p for p in plan if p.startswith(("livekit", "grpcio", "openai"))], plan
+    # tracing: the API, SDK and the OTLP/HTTP exporter only
+    assert {"opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"} <= set(plan)
     assert "matplotlib" not in plan  # the [quant] extra's
     print(f"engine image: {len(plan)} packages")
 

@@ -24,7 +24,8 @@ def extract_context(headers):
 def configure_from_env(service_name: str = "qwen3-tts-engine"):
     """A tracer provider exporting over OTLP when an endpoint is configured; None otherwise.
 
-    OTEL_EXPORTER_OTLP_PROTOCOL chooses `http/protobuf` (default) or `grpc`; OTEL_SERVICE_NAME
+    OTEL_EXPORTER_OTLP_PROTOCOL chooses `http/protobuf` (default) or `grpc` (needs
+    opentelemetry-exporter-otlp-proto-grpc, which the engine does not install); OTEL_SERVICE_NAME
     overrides the service name. Call `shutdown()` on the result to flush at exit.
     """
     if not any(os.environ.get(k) for k in ENDPOINT_ENV):
@@ -34,7 +35,11 @@ def configure_from_env(service_name: str = "qwen3-tts-engine"):
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     if os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf") == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        try:  # not a dependency: grpcio is large, and OTLP/HTTP reaches every collector
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        except ImportError as e:
+            raise RuntimeError("OTEL_EXPORTER_OTLP_PROTOCOL=grpc needs opentelemetry-exporter-"
+                               "otlp-proto-grpc installed; or use http/protobuf") from e  # fmt: skip
     else:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     resource = Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", service_name)})
