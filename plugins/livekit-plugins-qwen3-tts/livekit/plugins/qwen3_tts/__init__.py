@@ -4,12 +4,13 @@
 from the `qwen3-tts-engine` package, or vLLM-Omni (`protocol="vllm-omni"`).
 """
 
+from .clauses import FirstClauseTokenizer
 from .protocol import SAMPLE_RATE, EngineLoad
 from .tts import TTS, ChunkedStream, SentenceReport, SynthesizeStream
 from .version import __version__
 
 __all__ = ["TTS", "ChunkedStream", "SynthesizeStream", "SentenceReport", "EngineLoad",
-           "SAMPLE_RATE", "__version__"]
+           "FirstClauseTokenizer", "SAMPLE_RATE", "__version__"]
 
 from livekit.agents import Plugin
 

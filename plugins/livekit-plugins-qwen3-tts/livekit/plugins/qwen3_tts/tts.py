@@ -2,6 +2,7 @@
 
 Text from the LLM is cut into sentences; each is synthesized as soon as it is complete, while the
 previous one still plays, so the prefill of sentence N+1 hides behind the audio of sentence N.
+A reply's first clause goes ahead on its own, with a small first chunk (`clauses.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
+from .clauses import FirstClauseTokenizer
 from .endpoints import Endpoint, EndpointPool
 from .log import logger
 from .protocol import HEADER_VARIANT, SAMPLE_RATE, error_message, normalize_language
@@ -59,6 +61,33 @@ class _TTSOptions:
     first_chunk_frames: int
     protocol: Protocol
     prefetch: int
+    first_clause_min_words: int | None = 3
+    first_clause_chunk_frames: int | None = None  # None: first_chunk_frames
+
+    def __post_init__(self) -> None:  # also checks what update_options() changes
+        if self.first_chunk_frames not in (1, 2, 4):
+            raise ValueError("first_chunk_frames must be 1, 2 or 4")
+        if self.prefetch < 0:
+            raise ValueError("prefetch must be >= 0")
+        if self.protocol not in ("qwen3-tts", "vllm-omni"):
+            raise ValueError("protocol must be 'qwen3-tts' or 'vllm-omni'")
+        if self.task_type is not None and self.task_type not in _TASK_TYPES:
+            raise ValueError(f"task_type must be one of {', '.join(_TASK_TYPES)}")
+        m = self.first_clause_min_words
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise ValueError("first_clause_min_words must be an integer >= 0, or None "
+                             f"(0 or None: no first clause on its own), not {m!r}")  # fmt: skip
+        if self.first_clause_chunk_frames not in (None, 1, 2, 4):
+            raise ValueError("first_clause_chunk_frames must be 1, 2, 4 or None (None: "
+                             f"first_chunk_frames), not {self.first_clause_chunk_frames!r}")  # fmt: skip
+
+    def for_request(self, index: int) -> _TTSOptions:
+        """The options of a segment's `index`-th request: with the first-clause split on, the
+        first asks for the small first chunk (never larger than `first_chunk_frames`)."""
+        if index or not self.first_clause_min_words or not self.first_clause_chunk_frames:
+            return self
+        frames = min(self.first_clause_chunk_frames, self.first_chunk_frames)
+        return replace(self, first_chunk_frames=frames)
 
     def request_body(self, text: str, seed: int | None) -> dict:
         """The JSON for one sentence. vLLM-Omni gets only the fields it defines."""
@@ -89,6 +118,7 @@ class SentenceReport:
     first_audio_s: float | None = None
     skipped_bytes: int = 0  # audio re-synthesized after a failover but not played again
     seed: int | None = None  # sent with every attempt, so that a failover repeats the same audio
+    first_chunk_frames: int | None = None  # the first chunk asked of the engine
 
     @property
     def samples(self) -> int:
@@ -116,6 +146,8 @@ class TTS(tts.TTS):
         seed: int | None = None,
         max_new_tokens: int | None = None,
         first_chunk_frames: int = 4,
+        first_clause_min_words: int | None = 3,
+        first_clause_chunk_frames: int | None = None,
         protocol: Protocol = "qwen3-tts",
         prefetch: int = 1,
         timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
@@ -129,6 +161,9 @@ class TTS(tts.TTS):
         http://127.0.0.1:8880); they are used in order, failing over when one dies. Use
         `protocol="vllm-omni"` for a vLLM-Omni server (only its own fields are sent).
         `prefetch` is how many sentences may be requested ahead of the one playing.
+        The first request of each segment carries only its first clause, once that has
+        `first_clause_min_words` words (0 or None: whole sentences only), and may ask for a
+        smaller first chunk: `first_clause_chunk_frames` frames (None: `first_chunk_frames`).
         Each attempt on an endpoint gets `conn_options.timeout` (LiveKit's per-request option) to
         connect and between received bytes; a stalled endpoint is failed over and marked down.
         `timeout` is only the default of the HTTP client made here.
@@ -140,21 +175,14 @@ class TTS(tts.TTS):
         )
         urls = base_url or os.environ.get("QWEN3_TTS_URL", DEFAULT_URL)
         urls = [u.strip() for u in urls.split(",")] if isinstance(urls, str) else list(urls)
-        if first_chunk_frames not in (1, 2, 4):
-            raise ValueError("first_chunk_frames must be 1, 2 or 4")
-        if prefetch < 0:
-            raise ValueError("prefetch must be >= 0")
-        if protocol not in ("qwen3-tts", "vllm-omni"):
-            raise ValueError("protocol must be 'qwen3-tts' or 'vllm-omni'")
-        if task_type is not None and task_type not in _TASK_TYPES:
-            raise ValueError(f"task_type must be one of {', '.join(_TASK_TYPES)}")
         self._opts = _TTSOptions(
             model=model, voice=voice, language=normalize_language(language),
             instructions=instructions, ref_audio=ref_audio, ref_text=ref_text,
             task_type=task_type, variant=variant, temperature=temperature, top_k=top_k,
             top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
             max_new_tokens=max_new_tokens, first_chunk_frames=first_chunk_frames,
-            protocol=protocol, prefetch=prefetch,
+            protocol=protocol, prefetch=prefetch, first_clause_min_words=first_clause_min_words,
+            first_clause_chunk_frames=first_clause_chunk_frames,
         )  # fmt: skip
         api_key = api_key or os.environ.get("QWEN3_TTS_API_KEY")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -179,7 +207,9 @@ class TTS(tts.TTS):
         return self._pool
 
     def update_options(self, **kw) -> None:
-        """Change any constructor option of `_TTSOptions` (voice, language, variant, seed...)."""
+        """Change any constructor option of `_TTSOptions` (voice, language, variant, seed,
+        first_clause_min_words...), checked as the constructor checks them; streams already
+        open keep the options they started with."""
         if "language" in kw:
             kw["language"] = normalize_language(kw["language"])
         self._opts = replace(self._opts, **kw)
@@ -218,6 +248,7 @@ class TTS(tts.TTS):
         """
         seed = opts.seed if opts.seed is not None else random.randrange(2**31)
         report.seed = seed
+        report.first_chunk_frames = opts.first_chunk_frames
         body = opts.request_body(report.text, seed)
         tried: set[str] = set()
         t0 = time.perf_counter()
@@ -379,7 +410,9 @@ class SynthesizeStream(tts.SynthesizeStream):
                     stream = None
                     continue
                 if stream is None:
-                    stream = self._tts._tokenizer.stream()
+                    stream = FirstClauseTokenizer(
+                        self._tts._tokenizer, min_words=self._opts.first_clause_min_words
+                    ).stream()
                     segments.send_nowait(stream)
                 stream.push_text(item)
             if stream is not None:
@@ -399,7 +432,8 @@ class SynthesizeStream(tts.SynthesizeStream):
             await utils.aio.cancel_and_wait(*tasks)
 
     async def _speak_segment(self, sentences: tokenize.SentenceStream, emitter) -> None:
-        """Request up to `prefetch` sentences ahead; play their audio strictly in text order."""
+        """Request up to `prefetch` sentences ahead; play their audio strictly in text order.
+        The first "sentence" may be the segment's first clause: it gets the small first chunk."""
         slots = asyncio.Semaphore(1 + self._opts.prefetch)
         order: asyncio.Queue[tuple[SentenceReport, asyncio.Queue, asyncio.Task] | None] = asyncio.Queue()
         started: list[asyncio.Task] = []
@@ -414,7 +448,8 @@ class SynthesizeStream(tts.SynthesizeStream):
                 self.sentences.append(report)
                 audio: asyncio.Queue[bytes | None] = asyncio.Queue()
                 ahead = started[-1] if started else None
-                task = asyncio.create_task(self._fetch(report, audio, ahead))
+                opts = self._opts.for_request(len(started))
+                task = asyncio.create_task(self._fetch(opts, report, audio, ahead))
                 started.append(task)
                 order.put_nowait((report, audio, task))
             order.put_nowait(None)
@@ -432,10 +467,11 @@ class SynthesizeStream(tts.SynthesizeStream):
             await utils.aio.cancel_and_wait(launcher, *started)
 
     async def _fetch(
-        self, report: SentenceReport, audio: asyncio.Queue, ahead: asyncio.Task | None
-    ) -> None:
+        self, opts: _TTSOptions, report: SentenceReport, audio: asyncio.Queue,
+        ahead: asyncio.Task | None,
+    ) -> None:  # fmt: skip
         try:
-            await self._tts._speak(self._opts, report, audio.put_nowait, self._mark_started,
+            await self._tts._speak(opts, report, audio.put_nowait, self._mark_started,
                                    self._conn_options, ahead)  # fmt: skip
         finally:
             audio.put_nowait(None)
