@@ -14,8 +14,9 @@ from aiohttp import web
 
 class ScriptedChatServer:
     def __init__(self, answer: str = "It is noon. Anything else I can do for you?", *,
-                 use_tool: bool = True, fail: bool = False) -> None:  # fmt: skip
+                 use_tool: bool = True, fail: bool = False, echo: bool = False) -> None:  # fmt: skip
         self.answer = answer
+        self.echo = echo  # answer "You said: <the last user message>." (which request a reply answers)
         self.use_tool = use_tool
         self.fail = fail
         self.requests: list[dict] = []
@@ -64,7 +65,13 @@ class ScriptedChatServer:
             await resp.write(self._chunk({}, "tool_calls"))
         else:
             await resp.write(self._chunk({"role": "assistant", "content": ""}))
-            for word in self.answer.split():
+            answer = self.answer
+            if self.echo:
+                users = [m for m in body["messages"] if m.get("role") == "user"]
+                heard = users[-1]["content"] if users else ""
+                heard = heard if isinstance(heard, str) else " ".join(p.get("text", "") for p in heard)
+                answer = f"You said: {heard.strip().rstrip('.?!')}."
+            for word in answer.split():
                 await resp.write(self._chunk({"content": word + " "}))
             await resp.write(self._chunk({}, "stop"))
         await resp.write(b"data: [DONE]\n\n")

@@ -140,24 +140,39 @@ def test_qwen3_tts_bench_swap(tiny_checkpoint, tmp_path):
 
 def test_voice_agent_bench(tmp_path):
     # offline: the bundled tiny.en STT, a generated tiny LLM (mlx_lm.server), the default tiny
-    # TTS checkpoint in this session's QWEN3_TTS_CACHE; 4 frames per sentence, short replies
-    report = _run("voice-agent", "bench", "--turns", "2", "--tts-requests", "1", "--offline",
-                  "--tts-max-new-tokens", "4", "--llm-max-tokens", "4", "--out", str(tmp_path / "va.json"),
+    # TTS checkpoint in this session's QWEN3_TTS_CACHE; 4 frames per sentence, short replies;
+    # one plain and one paused question, with the tuned and with the baseline settings
+    report = _run("voice-agent", "bench", "--turns", "1", "--paused-turns", "1", "--tts-requests", "1",
+                  "--offline", "--tts-max-new-tokens", "4", "--llm-max-tokens", "4",
+                  "--out", str(tmp_path / "va.json"),
                   env={"VOICE_AGENT_CACHE": str(tmp_path / "va"), "HF_HUB_OFFLINE": "1"})  # fmt: skip
     assert json.loads((tmp_path / "va.json").read_text()) == report
     assert any("RANDOM" in n for n in report["notes"])
-    # per turn: voice-to-voice latency and its parts; what the glue adds
-    # a turn the random LLM answered without a word ends as silent, without latency parts
-    assert len(report["turns"]) + report["silent_turns"] == 2, report
-    for turn in report["turns"]:
-        for key in ("voice_to_voice_s", "stt_s", "llm_ttft_s", "tts_first_chunk_compute_s"):
-            _positive(turn[key], key)
-        parts = (report["vad_silence_window_s"] + turn["stt_s"] + turn["llm_ttft_s"]
-                 + turn["tts_first_chunk_compute_s"])  # fmt: skip
-        assert turn["added_s"] == pytest.approx(turn["voice_to_voice_s"] - parts)
-    added = report["added_latency_s"]
-    assert added.get("n", 0) == len(report["turns"]) and added.get("p95", 0) >= added.get("p50", 0)
-    assert report["vad_silence_window_s"] == 0.55 and report["goal_added_p95_s"] == 0.060
+    settings = report["settings"]
+    assert settings["baseline"] == {"stt_streaming": False, "vad_min_silence": 0.55, "endpointing_min_delay": 0.5,
+                                    "endpointing_max_delay": 3.0, "turn_detector": "none",
+                                    "preemptive_generation": False, "tts_first_clause_words": 0,
+                                    "tts_first_clause_chunk_frames": 4}  # fmt: skip
+    assert settings["tuned"]["turn_detector"] == "rule" and settings["tuned"]["preemptive_generation"]
+    for name in ("tuned", "baseline"):
+        config = report[name]
+        assert [t["kind"] for t in config["turns"]] == ["plain", "paused"]
+        assert config["turns"][1]["pause_s"] == report["paused_set"][0]["pause_s"] > 0
+        for turn in config["turns"]:
+            if turn["silent"]:  # the random LLM answered nothing: no reply latencies
+                continue
+            for key in ("voice_to_voice_s", "llm_ttft_s", "tts_first_chunk_compute_s"):
+                _positive(turn[key], key)
+            if turn["added_s"] is not None:
+                llm = turn["llm_ttfs_s"] if turn["llm_ttfs_s"] is not None else turn["llm_ttft_s"]
+                parts = turn["end_of_turn_delay_s"] + llm + turn["tts_first_chunk_compute_s"]
+                assert turn["added_s"] == pytest.approx(turn["voice_to_voice_s"] - parts)
+        assert set(config["ended_early"]) == {"plain", "paused"}
+        summary = config["summary"]["voice_to_voice_s"]
+        assert not summary or summary["p95"] >= summary["p50"] > 0
+    for key, value in report["ratios"].items():
+        assert value is None or value > 0, key
+    assert report["goals"]["end_of_turn_p50_ratio"] == 0.5 and report["goals"]["added_p95_s"] == 0.060
     # TTS first audio while the LLM generates / idle
     _summary(report["tts_first_audio_idle_s"], "tts idle", n=1)
     _summary(report["tts_first_audio_llm_busy_s"], "tts busy", n=1)

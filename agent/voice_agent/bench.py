@@ -1,7 +1,13 @@
-"""`voice-agent bench`: what the pipeline adds to a turn, and TTS under LLM contention (JSON).
+"""`voice-agent bench`: how soon the agent answers, and TTS under LLM contention (JSON).
 
-1. Over N spoken turns: voice-to-voice latency minus (VAD silence window + STT compute + LLM
-   time to first token + TTS first-chunk compute) = the latency the glue adds (p50/p95).
+1. Turn-taking: plain questions and questions with a pause in the middle, spoken through the
+   pipeline twice in one run, with the configured settings ("tuned") and with the settings the
+   pipeline had before its turn-taking work ("baseline": LiveKit's VAD window, no transcript
+   check, no preemptive generation). Per turn: end of speech -> turn committed, -> final
+   transcript, LLM time to first token and first sentence, TTS first audio, voice-to-voice,
+   whether the turn was committed before the caller's last word; p50/p95 per column and the
+   tuned/baseline ratios. What the glue adds = voice-to-voice - (end of turn + LLM time to first
+   sentence + TTS first-chunk compute).
 2. TTS first-audio latency while the local LLM generates, divided by the same when idle.
 """
 
@@ -12,19 +18,20 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import httpx
 
-from .demo import DEFAULT_QUESTION, load_turn_audio, run_turns
+from .demo import run_turns
 from .local_services import ensure_llm
 from .settings import Settings
+from .turn_bench import PAUSED, baseline, turn_set, word_error_rate, words
 
-# Turn detection waits for Silero's min_silence_duration (LiveKit's default 0.55 s) of silence.
-# The endpointing min_delay (0.5 s) counts from the same moment (the end of speech), so it
-# overlaps with this window and with STT, and is not added again.
-VAD_SILENCE_S = 0.55
+COLUMNS = ("end_of_turn_delay_s", "transcription_delay_s", "llm_ttft_s", "llm_ttfs_s", "tts_ttfb_s",
+           "voice_to_voice_s", "tts_first_chunk_compute_s", "added_s")  # fmt: skip
+TURN_SETTINGS = ("stt_streaming", "vad_min_silence", "endpointing_min_delay", "endpointing_max_delay", "turn_detector",
+                 "preemptive_generation", "tts_first_clause_words", "tts_first_clause_chunk_frames")  # fmt: skip
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -67,7 +74,50 @@ async def _llm_busy(llm_url: str, model: str, stop: asyncio.Event) -> int:
     return n
 
 
-async def _bench(settings: Settings, turns: int, tts_requests: int) -> dict:
+async def _turns(settings: Settings, turns, tts_url: str, llm_url: str, handler) -> list[dict]:
+    """Each spoken turn in a session of its own; one row per turn."""
+    rows = []
+    for turn in turns:
+        before = len(handler.history)
+        (r,) = await run_turns(settings, [turn.audio], tts_url=tts_url, llm_url=llm_url)
+        syntheses = list(handler.history)[before:]
+        chunks = syntheses[0]["chunk_compute_s"] if syntheses else None
+        row = {"kind": turn.kind, "text": turn.text, "pause_s": turn.pause_s,
+               "transcript": r.transcript, "user_messages": r.user_messages,
+               # cut: a turn committed before the caller's last word, the utterance split in two, or
+               # its transcript short of the words spoken (the rest never became this turn's)
+               "ended_early": (r.early_commits > 0 or r.user_messages > 1
+                               or len(words(r.transcript)) < 0.75 * len(words(turn.text))),
+               "silent": r.silent,
+               "end_of_turn_delay_s": r.end_of_turn_delay_s,
+               "transcription_delay_s": r.transcription_delay_s, "llm_ttft_s": r.llm_ttft_s,
+               "llm_ttfs_s": r.llm_ttfs_s, "tts_ttfb_s": r.tts_ttfb_s,
+               "voice_to_voice_s": r.voice_to_voice_s,
+               "tts_first_chunk_compute_s": chunks[0] if chunks else None, "stt_s": r.stt_s}  # fmt: skip
+        llm_first = row["llm_ttfs_s"] if row["llm_ttfs_s"] is not None else row["llm_ttft_s"]
+        parts = (row["end_of_turn_delay_s"], llm_first, row["tts_first_chunk_compute_s"])
+        row["added_s"] = (None if None in (*parts, row["voice_to_voice_s"])
+                          else row["voice_to_voice_s"] - sum(parts))  # fmt: skip
+        rows.append(row)
+    return rows
+
+
+def _config_report(rows: list[dict]) -> dict:
+    return {
+        "turns": rows,
+        "summary": {c: _summary([r[c] for r in rows if r[c] is not None]) for c in COLUMNS},
+        "ended_early": {"plain": sum(r["ended_early"] for r in rows if r["kind"] == "plain"),
+                        "paused": sum(r["ended_early"] for r in rows if r["kind"] == "paused")},
+        "silent_turns": sum(r["silent"] for r in rows),
+    }  # fmt: skip
+
+
+def _ratio(tuned: dict, base: dict, column: str) -> float | None:
+    a, b = tuned["summary"][column].get("p50"), base["summary"][column].get("p50")
+    return None if a is None or not b else a / b
+
+
+async def _bench(settings: Settings, turns: int, paused_turns: int, tts_requests: int) -> dict:
     from qwen3_tts_engine import Engine, EngineServer, Handler, ServerConfig
 
     from .local_services import RANDOM_TTS, hub_model_available
@@ -89,21 +139,13 @@ async def _bench(settings: Settings, turns: int, tts_requests: int) -> dict:
         settings = replace(settings, llm_max_tokens=min(settings.llm_max_tokens, 12),
                            llm_temperature=settings.llm_temperature or 1.0,
                            tts_max_new_tokens=settings.tts_max_new_tokens or 4)  # fmt: skip
+    configs = {"tuned": settings, "baseline": baseline(settings)}
     try:
-        audio = load_turn_audio(None)
-        rows, silent = [], 0
-        for _ in range(turns):
-            before = len(handler.history)
-            (r,) = await run_turns(settings, [audio], tts_url=tts_url, llm_url=llm.url)
-            silent += r.silent  # a random LLM can answer nothing (or only markup the TTS skips)
-            syntheses = list(handler.history)[before:]
-            first_chunk = syntheses[0]["chunk_compute_s"][0] if syntheses and syntheses[0]["chunk_compute_s"] else None
-            if None in (r.voice_to_voice_s, r.stt_s, r.llm_ttft_s, first_chunk):
-                continue
-            parts = VAD_SILENCE_S + r.stt_s + r.llm_ttft_s + first_chunk
-            rows.append({"voice_to_voice_s": r.voice_to_voice_s, "stt_s": r.stt_s,
-                         "llm_ttft_s": r.llm_ttft_s, "tts_first_chunk_compute_s": first_chunk,
-                         "added_s": r.voice_to_voice_s - parts})  # fmt: skip
+        spoken = turn_set(turns, paused_turns)
+        reports = {}
+        for name, config in configs.items():
+            print(f"voice-agent bench: {len(spoken)} turns, {name} settings ...", file=sys.stderr)
+            reports[name] = _config_report(await _turns(config, spoken, tts_url, llm.url, handler))
         voice = (handler.info.get("voices") or [None])[0]
         idle = await _tts_first_audio(tts_url, tts_requests, voice)
         stop = asyncio.Event()
@@ -115,19 +157,31 @@ async def _bench(settings: Settings, turns: int, tts_requests: int) -> dict:
     finally:
         llm.stop()
         await engine.stop()
-    added = [r["added_s"] for r in rows]
+    tuned, base = reports["tuned"], reports["baseline"]
+    plain = [(a["transcript"], b["transcript"]) for a, b in zip(tuned["turns"], base["turns"], strict=True)
+             if a["kind"] == "plain"]  # fmt: skip
+    wers = [word_error_rate(b, a) for a, b in plain if b]
     return {
-        "notes": notes, "turns": rows, "silent_turns": silent, "vad_silence_window_s": VAD_SILENCE_S,
-        "added_latency_s": _summary(added), "goal_added_p95_s": 0.060,
+        "notes": notes,
+        "settings": {name: {k: asdict(c)[k] for k in TURN_SETTINGS} for name, c in configs.items()},
+        "paused_set": [{"before": b, "pause_s": p, "after": a} for b, p, a in PAUSED[:paused_turns]],
+        "tuned": tuned, "baseline": base,
+        "ratios": {"end_of_turn_p50": _ratio(tuned, base, "end_of_turn_delay_s"),
+                   "transcription_delay_p50": _ratio(tuned, base, "transcription_delay_s"),
+                   "voice_to_voice_p50": _ratio(tuned, base, "voice_to_voice_s")},
+        "plain_transcript_wer_vs_baseline": statistics.mean(wers) if wers else None,
+        "goals": {"end_of_turn_p50_ratio": 0.5, "voice_to_voice_p50_ratio": 0.7,
+                  "ended_early": "no more than the baseline", "added_p95_s": 0.060,
+                  "plain_transcript_wer": 0.05},
+        "added_latency_s": tuned["summary"]["added_s"],
         "tts_first_audio_idle_s": _summary(idle), "tts_first_audio_llm_busy_s": _summary(busy),
         "llm_stream_lines_during_busy": lines,
         "contention_ratio": statistics.median(busy) / statistics.median(idle), "goal_ratio": 1.3,
     }  # fmt: skip
 
 
-def run_bench(settings: Settings, turns: int, tts_requests: int, out: Path | None) -> int:
-    print(f"voice-agent bench: {turns} turns of {DEFAULT_QUESTION!r} ...", file=sys.stderr)
-    report = asyncio.run(_bench(settings, turns, tts_requests))
+def run_bench(settings: Settings, turns: int, paused_turns: int, tts_requests: int, out: Path | None) -> int:
+    report = asyncio.run(_bench(settings, turns, paused_turns, tts_requests))
     text = json.dumps(report, indent=2)
     print(text)
     if out:

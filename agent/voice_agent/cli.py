@@ -84,8 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", type=Path, default=Path("out/agent-reply.wav"))
     d.add_argument("--json", action="store_true", help="machine-readable report")
     add_arguments(d)
-    b = sub.add_parser("bench", help="latency the pipeline adds; TTS under LLM contention (JSON)")
-    b.add_argument("--turns", type=int, default=10)
+    b = sub.add_parser("bench", help="how soon the agent answers (tuned vs baseline settings); "
+                       "TTS under LLM contention (JSON)")
+    b.add_argument("--turns", type=int, default=6, help="plain spoken questions per configuration")
+    b.add_argument("--paused-turns", type=int, default=5,
+                   help="questions with a pause in the middle per configuration")
     b.add_argument("--tts-requests", type=int, default=8)
     b.add_argument("--out", type=Path)
     add_arguments(b)
@@ -142,7 +145,7 @@ def _main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from .bench import run_bench
 
-            return run_bench(settings, args.turns, args.tts_requests, args.out)
+            return run_bench(settings, args.turns, args.paused_turns, args.tts_requests, args.out)
         return run_demo(settings, args.wav, args.out, args.json)
     except (RuntimeError, TimeoutError, FileNotFoundError, TurnAudioError) as e:
         print(f"voice-agent: error: {e}", file=sys.stderr)

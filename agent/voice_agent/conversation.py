@@ -40,10 +40,13 @@ class TurnReport:
     reply_audio_s: float = 0.0
     interrupted: bool = False
     silent: bool = False  # the agent's reply had no text (nothing was said)
+    user_messages: int = 0  # user turns LiveKit committed for this utterance (1 unless cut)
+    early_commits: int = 0  # of them, committed before the utterance's last sample was sent
     end_of_turn_delay_s: float | None = None
     stt_s: float | None = None
     transcription_delay_s: float | None = None
     llm_ttft_s: float | None = None
+    llm_ttfs_s: float | None = None  # LLM time to its first sentence (what the TTS waits for)
     tts_ttfb_s: float | None = None
     e2e_latency_s: float | None = None  # LiveKit's: end of user speech -> agent audio out
     voice_to_voice_s: float | None = None  # ours: last user sample sent -> first agent sample
@@ -71,7 +74,8 @@ class Conversation:
         self.audio_out = audio_out
         self.answers_llm_errors = answers_llm_errors
         self.failures: list[BaseException] = []  # the exceptions behind reported errors
-        self._items: asyncio.Queue[llm.ChatMessage | TurnFailed | _Silent] = asyncio.Queue()
+        # (perf_counter when queued, item)
+        self._items: asyncio.Queue[tuple[float, llm.ChatMessage | TurnFailed | _Silent]] = asyncio.Queue()
         self._errors: list[str] = []
         self._stt: list[float] = []
         self._calls: list[str] = []
@@ -106,7 +110,10 @@ class Conversation:
         if not handle.interrupted and not said:
             # LiveKit adds no message for a reply without text (an LLM that answered nothing):
             # the turn is over all the same
-            self._items.put_nowait(_SILENT)
+            self._put(_SILENT)
+
+    def _put(self, item) -> None:
+        self._items.put_nowait((time.perf_counter(), item))
 
     def _note(self, what: str) -> None:
         self._trace.append((time.perf_counter(), what))
@@ -114,7 +121,7 @@ class Conversation:
     def _on_item(self, item) -> None:
         if isinstance(item, llm.ChatMessage):
             self._note(f"{item.role} message {(item.text_content or '')[:40]!r}")
-            self._items.put_nowait(item)
+            self._put(item)
 
     def _on_error(self, ev) -> None:
         error = ev.error
@@ -125,11 +132,11 @@ class Conversation:
         self.failures.append(error.error)
         self._errors.append(message)
         if not (what == "LLM" and self.answers_llm_errors):
-            self._items.put_nowait(TurnFailed(message))
+            self._put(TurnFailed(message))
 
     def _on_close(self, ev) -> None:
         cause = f": {error_message(ev.error.error)}" if ev.error is not None else ""
-        self._items.put_nowait(TurnFailed(f"the agent session closed ({ev.reason.value}){cause}"))
+        self._put(TurnFailed(f"the agent session closed ({ev.reason.value}){cause}"))
 
     def _on_metrics(self, metrics) -> None:
         if isinstance(metrics, STTMetrics):
@@ -145,30 +152,40 @@ class Conversation:
         self._trace.clear()
         t_sent = await self.audio_in.play(speech)
         deadline = time.perf_counter() + timeout
+        heard: list[str] = []
         while True:
             try:
                 left = max(0.1, deadline - time.perf_counter())
-                item = await asyncio.wait_for(self._items.get(), left)
+                t, item = await asyncio.wait_for(self._items.get(), left)
             except TimeoutError:
                 raise TimeoutError(f"no reply from the agent within {timeout:g} s; "
                                    f"{self.trace_since(t_sent)}") from None
             if isinstance(item, TurnFailed):
                 raise item
+            early = t < t_sent  # before the caller's last word: a turn committed too early
             if item is _SILENT:
+                if early:
+                    continue
                 report.silent = True
                 break
             m = item.metrics
             if item.role == "user":
-                report.transcript = item.text_content or ""
+                heard.append(item.text_content or "")
+                report.early_commits += early
                 report.end_of_turn_delay_s = m.get("end_of_turn_delay")
                 report.transcription_delay_s = m.get("transcription_delay")
             elif item.role == "assistant":
+                if early:  # its reply to the part before the pause: not this turn's answer
+                    continue
                 report.reply_text = item.text_content or ""
                 report.interrupted = item.interrupted
                 report.llm_ttft_s = m.get("llm_node_ttft")
+                report.llm_ttfs_s = m.get("llm_node_ttfs")
                 report.tts_ttfb_s = m.get("tts_node_ttfb")
                 report.e2e_latency_s = m.get("e2e_latency")
                 break
+        report.transcript = " ".join(t for t in heard if t)
+        report.user_messages = len(heard)
         audio = self.audio_out.audio_since(t_sent)
         first = next((ts for ts, _ in self.audio_out.frames if ts >= t_sent), None)
         report.reply_audio = audio

@@ -23,6 +23,7 @@ from livekit.agents.voice.agent_session import SessionConnectOptions
 
 from .observability import APOLOGIES
 from .settings import Settings
+from .turn_rules import RuleTurnDetector
 
 logger = logging.getLogger("voice_agent")
 APOLOGY = "Sorry, I can't think right now. Please try again in a moment."
@@ -59,7 +60,7 @@ def build_stt(settings: Settings):
     from livekit.plugins import faster_whisper
 
     model = "bundled" if settings.offline and settings.stt_model in ("base.en", "tiny.en") else settings.stt_model
-    return faster_whisper.STT(model=model, language=settings.stt_language)
+    return faster_whisper.STT(model=model, language=settings.stt_language, streaming=settings.stt_streaming)
 
 
 def build_llm(settings: Settings, base_url: str):
@@ -79,29 +80,53 @@ def build_tts(settings: Settings, url: str):
     return qwen3_tts.TTS(
         base_url=url, voice=settings.tts_voice, language=settings.tts_language,
         protocol=settings.tts_protocol, max_new_tokens=settings.tts_max_new_tokens,
+        first_clause_min_words=settings.tts_first_clause_words,
+        first_clause_chunk_frames=settings.tts_first_clause_chunk_frames,
     )  # fmt: skip
+
+
+def build_vad(settings: Settings):
+    from livekit.plugins import silero
+
+    return silero.VAD.load(min_silence_duration=settings.vad_min_silence)
+
+
+def build_turn_detector(settings: Settings):
+    """The end-of-turn check LiveKit asks after the VAD's end of speech ("vad": none)."""
+    if settings.turn_detector == "rule":
+        return RuleTurnDetector()
+    if settings.turn_detector == "livekit":
+        try:
+            from livekit.plugins.turn_detector.multilingual import MultilingualModel
+        except ImportError as e:
+            raise RuntimeError("TURN_DETECTOR=livekit needs livekit-plugins-turn-detector (uv pip "
+                               "install livekit-plugins-turn-detector) and its model files "
+                               "(voice-agent download-files)") from e  # fmt: skip
+        return MultilingualModel()
+    return "vad"
 
 
 def build_session(settings: Settings, *, tts_url: str, llm_url: str, vad=None, stt=None,
                   echo_free: bool = False) -> AgentSession:  # fmt: skip
-    """An AgentSession with VAD turn detection and barge-in (interruptions on).
+    """An AgentSession with VAD turn detection, an end-of-turn check on the transcript
+    (TURN_DETECTOR), LiveKit's endpointing delays, preemptive generation and barge-in.
 
     LiveKit ignores interruptions for the first 3 s of agent speech while echo cancellation warms
     up; `echo_free` (captured audio, no speaker feeding a microphone) turns that off.
     """
     extra = {"aec_warmup_duration": None} if echo_free else {}
-    from livekit.plugins import silero
-
     return AgentSession(
-        vad=vad or silero.VAD.load(),
+        vad=vad or build_vad(settings),
         stt=stt or build_stt(settings),
         llm=build_llm(settings, llm_url),
         tts=build_tts(settings, tts_url),
         turn_handling={
-            "turn_detection": "vad",
+            "turn_detection": build_turn_detector(settings),
+            "endpointing": {"mode": "fixed", "min_delay": settings.endpointing_min_delay,
+                            "max_delay": settings.endpointing_max_delay},
             "interruption": {"enabled": True, "mode": "vad", "min_duration": 0.3,
                              "resume_false_interruption": False},
-            "preemptive_generation": {"enabled": False},
+            "preemptive_generation": {"enabled": settings.preemptive_generation},
         },  # fmt: skip
         user_away_timeout=None,
         # LiveKit's default TTS timeout (10 s) would count a busy shared engine's queue as a stall

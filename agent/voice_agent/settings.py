@@ -152,6 +152,9 @@ class Settings(_EnvSettings):
     stt_model: str = _f("STT_MODEL", "base.en", "faster-whisper model; offline: the bundled tiny.en",
                         check=_stt_model)
     stt_language: str = _f("STT_LANGUAGE", "en", "language of the user's speech")
+    stt_streaming: bool = _f("STT_STREAMING", True, "transcribe while the user speaks, so the final "
+                             "transcript is ready soon after the end of speech (off: the whole "
+                             "utterance once it has ended)")
     llm_base_url: str | None = _f("LLM_BASE_URL", None, "OpenAI-compatible server (vLLM, Ollama, "
                                   "llama.cpp, mlx-lm, OpenAI); unset: start mlx_lm.server locally")
     llm_model: str = _f("LLM_MODEL", "mlx-community/Qwen3-0.6B-4bit", "chat model name or local model")
@@ -163,6 +166,28 @@ class Settings(_EnvSettings):
                                        "the server's default)", check=_not_negative)
     llm_timeout: float = _f("LLM_TIMEOUT", 120.0, "seconds; local prefill can be slow",
                              check=_positive)
+    # Turn-taking: when the agent decides the user has finished (README: Turn-taking).
+    vad_min_silence: float = _f("VAD_MIN_SILENCE", 0.35, "seconds of silence before Silero reports "
+                                "the end of speech (LiveKit's default: 0.55)", check=_positive)
+    endpointing_min_delay: float = _f("ENDPOINTING_MIN_DELAY", 0.5, "seconds after the last speech "
+                                      "before a finished-sounding turn is committed",
+                                      check=_not_negative)
+    endpointing_max_delay: float = _f("ENDPOINTING_MAX_DELAY", 2.5, "seconds the agent waits after "
+                                      "speech that sounds unfinished (TURN_DETECTOR)",
+                                      check=_positive)
+    turn_detector: str = _f("TURN_DETECTOR", "rule", "end-of-turn check on the transcript: rule "
+                            "(a trailing 'and', 'for', comma... waits ENDPOINTING_MAX_DELAY), livekit "
+                            "(livekit-plugins-turn-detector's model, when installed with its model "
+                            "files), none", check=_choice("rule", "livekit", "none"))
+    tts_first_clause_words: int = _f("TTS_FIRST_CLAUSE_WORDS", 3, "a reply's first request to the "
+                                     "TTS is its first clause once it has this many words (a comma, "
+                                     "dash...); 0: whole sentences", check=_not_negative)
+    tts_first_clause_chunk_frames: int = _f("TTS_FIRST_CLAUSE_CHUNK_FRAMES", 2, "codec frames in the "
+                                            "first audio chunk of a reply's first request (1, 2 or "
+                                            "4; later requests: 4)", check=_choice(1, 2, 4))
+    preemptive_generation: bool = _f("PREEMPTIVE_GENERATION", True, "start the LLM on the final "
+                                     "transcript before the turn is committed (LiveKit's; redone "
+                                     "if the transcript changes)")
     instructions: str = _f("AGENT_INSTRUCTIONS", "You are a helpful voice assistant. Answer in one "
                            "or two short spoken sentences, without markdown.", "system prompt")
     metrics_port: int = _f("METRICS_PORT", 0, "Prometheus port of the agent (`/metrics`; 0: off): "

@@ -25,7 +25,7 @@ from livekit.plugins.qwen3_tts import EngineLoad
 
 from .local_services import LocalService, ensure_llm, ensure_tts_engine, resolve_offline
 from .observability import TurnMetrics, tracer_provider_from_env
-from .pipeline import VoiceAgent, build_session, build_stt
+from .pipeline import VoiceAgent, build_session, build_stt, build_vad
 from .settings import Settings
 
 logger = logging.getLogger("voice_agent")
@@ -131,7 +131,7 @@ def prewarm(proc: JobProcess) -> None:
     from livekit.plugins import openai, silero  # noqa: F401  (importing openai later blocks a job's loop ~1 s)
 
     settings = Settings.load()
-    proc.userdata["vad"] = silero.VAD.load()
+    proc.userdata["vad"] = build_vad(settings)
     stt = build_stt(settings)
     stt.load()  # the model is loaded once per process and shared by its jobs
     proc.userdata["stt"] = stt

@@ -1,6 +1,7 @@
 """faster-whisper speech-to-text plugin for LiveKit Agents.
 
-Runs a local Whisper model (CTranslate2) behind LiveKit's non-streaming `stt.STT` interface.
+Runs a local Whisper model (CTranslate2) behind LiveKit's `stt.STT` interface: non-streaming by
+default, or streaming with interim transcripts (`STT(streaming=True)`).
 """
 
 from .models import (
@@ -12,11 +13,12 @@ from .models import (
     prewarm,
     resolve_model,
 )
-from .stt import STT
+from .stt import STT, SpeechStream
 from .version import __version__
 
 __all__ = [
     "STT",
+    "SpeechStream",
     "BUNDLED_MODEL_NAMES",
     "ModelLoadError",
     "WhisperModels",

@@ -1,6 +1,8 @@
-"""Non-streaming LiveKit STT on a local faster-whisper model.
+"""LiveKit STT on a local faster-whisper model, non-streaming or streaming.
 
-The framework's VAD `StreamAdapter` cuts the room audio into utterances; each is transcribed here.
+Non-streaming, the framework's VAD `StreamAdapter` cuts the room audio into utterances and each
+is transcribed here whole. Streaming (`streaming=True`), `SpeechStream` transcribes the growing
+utterance while it is spoken and finishes it on the framework's flush (see `agreement.py`).
 """
 
 from __future__ import annotations
@@ -16,13 +18,22 @@ from livekit import rtc
 from livekit.agents import APIError, stt, utils
 from livekit.agents.language import LanguageCode
 from livekit.agents.telemetry import tracer
-from livekit.agents.types import NOT_GIVEN, APIConnectOptions, NotGivenOr, TimedString
+from livekit.agents.types import (
+    DEFAULT_API_CONNECT_OPTIONS,
+    NOT_GIVEN,
+    APIConnectOptions,
+    NotGivenOr,
+    TimedString,
+)
 from livekit.agents.utils import AudioBuffer, is_given
 
+from .agreement import SAMPLE_RATE, StreamingOptions, StreamStats, UtteranceTracker, Window, Word
 from .log import logger
 from .models import ModelLoadError, WhisperModels, load_model
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from faster_whisper import WhisperModel
 
 WHISPER_SAMPLE_RATE = 16000
@@ -39,6 +50,8 @@ class _STTOptions:
     initial_prompt: str | None
     cpu_threads: int
     word_timestamps: bool
+    streaming: bool = False
+    interim_interval: float = 1.0
 
 
 class STT(stt.STT):
@@ -53,6 +66,8 @@ class STT(stt.STT):
         initial_prompt: str | None = None,
         cpu_threads: int = 0,
         word_timestamps: bool = True,
+        streaming: bool = False,
+        interim_interval: float = 1.0,
     ) -> None:
         """faster-whisper speech-to-text, run in this process.
 
@@ -68,14 +83,22 @@ class STT(stt.STT):
             initial_prompt: text that biases the vocabulary and style of the transcripts.
             cpu_threads: CPU threads for the model; 0 leaves the choice to CTranslate2.
             word_timestamps: also return per-word timing and confidence (small extra cost).
+            streaming: transcribe while the user speaks (`stream()`, interim transcripts) and
+                finish each utterance when the framework flushes the stream at the VAD's end
+                of speech (`manual_flush`); the final then comes with little left to decode.
+                Off, the framework wraps this STT in its VAD `StreamAdapter` and each utterance
+                is transcribed once it has ended.
+            interim_interval: streaming only: seconds of new speech between interim passes.
         """
         super().__init__(
             capabilities=stt.STTCapabilities(
-                streaming=False,
-                interim_results=False,
-                # the StreamAdapter does not forward word alignment for non-streaming STTs
-                aligned_transcript=False,
+                streaming=streaming,
+                interim_results=streaming,
+                # the StreamAdapter does not forward word alignment for non-streaming STTs;
+                # streams always time their transcripts (the cut needs word timestamps)
+                aligned_transcript="word" if streaming else False,
                 offline_recognize=True,
+                manual_flush=streaming,
             )
         )
         self._opts = _STTOptions(
@@ -87,6 +110,8 @@ class STT(stt.STT):
             initial_prompt=initial_prompt,
             cpu_threads=cpu_threads,
             word_timestamps=word_timestamps,
+            streaming=streaming,
+            interim_interval=interim_interval,
         )
         _validate(self._opts)
         self._prewarm_lock = threading.Lock()
@@ -111,8 +136,10 @@ class STT(stt.STT):
         initial_prompt: NotGivenOr[str | None] = NOT_GIVEN,
         cpu_threads: NotGivenOr[int] = NOT_GIVEN,
         word_timestamps: NotGivenOr[bool] = NOT_GIVEN,
+        interim_interval: NotGivenOr[float] = NOT_GIVEN,
     ) -> None:
-        """Change options; a new model/device/compute type is loaded on next use."""
+        """Change options; a new model/device/compute type is loaded on next use, and streams
+        opened from now on use the new options (`streaming` is fixed at construction)."""
         changes = {
             name: value
             for name, value in (
@@ -124,6 +151,7 @@ class STT(stt.STT):
                 ("initial_prompt", initial_prompt),
                 ("cpu_threads", cpu_threads),
                 ("word_timestamps", word_timestamps),
+                ("interim_interval", interim_interval),
             )
             if is_given(value)
         }
@@ -179,6 +207,255 @@ class STT(stt.STT):
                 f"faster-whisper failed: {type(e).__name__}: {e}", retryable=False
             ) from e
 
+    def stream(
+        self,
+        *,
+        language: NotGivenOr[str] = NOT_GIVEN,
+        conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS,
+    ) -> SpeechStream:
+        """A streaming recognition of one audio track (needs `streaming=True`)."""
+        if not self._opts.streaming:
+            raise NotImplementedError(
+                "this faster-whisper STT was built with streaming=False: pass streaming=True, "
+                "or wrap it in a stt.StreamAdapter with a VAD"
+            )
+        opts = replace(self._opts, language=language) if is_given(language) else self._opts
+        return SpeechStream(stt=self, opts=opts, conn_options=conn_options)
+
+
+class SpeechStream(stt.RecognizeStream):
+    """Streaming recognition, one utterance at a time, of audio pushed as it is captured.
+
+    An energy gate starts an utterance (START_OF_SPEECH). While it grows, interim passes run
+    in a worker thread, at most one at a time: audio that arrives meanwhile waits for the next
+    pass, so a slow machine runs fewer passes rather than queueing them. Each pass decodes only
+    the audio after the committed words and yields INTERIM_TRANSCRIPT (committed + tentative
+    text). A flush (LiveKit sends one at the VAD's end of speech when `manual_flush` is set)
+    finishes the utterance: FINAL_TRANSCRIPT with the whole utterance (none when no words were
+    heard), END_OF_SPEECH, and RECOGNITION_USAGE for the audio received since the last one. A
+    flush with no utterance reports usage only. A failed pass is raised at the next frame or
+    flush. `stats` counts the passes and the decoded audio.
+    """
+
+    def __init__(self, *, stt: STT, opts: _STTOptions, conn_options: APIConnectOptions) -> None:
+        super().__init__(stt=stt, conn_options=conn_options)
+        self._opts = opts
+        self._tracker = UtteranceTracker(StreamingOptions(interval=opts.interim_interval))
+        self._to_16k = _To16k()
+        self._model: WhisperModel | None = None
+        self._pass: asyncio.Task[None] | None = None
+        self._pass_error: BaseException | None = None
+        self._flushing = False
+        self._language = _whisper_language(opts.language)  # None: detected per utterance
+        self._request_id = ""
+        self._span: Span | None = None
+        self._unreported = 0  # samples received since the last usage report
+        self.stats = StreamStats()
+
+    async def _run(self) -> None:
+        try:
+            self._model = await asyncio.to_thread(_load, self._opts)
+        except ModelLoadError as e:
+            # retrying cannot help: the same files are missing on the next attempt
+            raise APIError(str(e), retryable=False) from e
+        try:
+            async for item in self._input_ch:
+                if self._pass_error is not None:
+                    raise self._pass_error
+                if isinstance(item, self._FlushSentinel):
+                    self._add_audio(self._to_16k.flush())
+                    await self._finish_utterance()
+                else:
+                    self._add_audio(self._to_16k.push(item))
+                self._start_pass()
+        finally:
+            if self._pass is not None:
+                await utils.aio.cancel_and_wait(self._pass)
+            self._end_span(closed=True)
+
+    def _add_audio(self, samples: np.ndarray) -> None:
+        self._unreported += len(samples)
+        if self._tracker.push(samples):
+            self._request_id = utils.shortuuid()
+            self._span = tracer.start_span("stt_request", attributes={
+                "faster_whisper.model": self._opts.model,
+                "faster_whisper.language": self._opts.language or "",
+                "faster_whisper.streaming": True,
+            })  # fmt: skip
+            self._send(stt.SpeechEventType.START_OF_SPEECH)
+
+    def _start_pass(self) -> None:
+        """Start an interim pass when one is due and none is running."""
+        if self._pass is not None or self._flushing:
+            return
+        window = self._tracker.next_window()
+        if window is not None:
+            self._pass = asyncio.create_task(self._interim_pass(window), name="faster-whisper-pass")
+            self._pass.add_done_callback(self._on_pass_done)
+
+    async def _interim_pass(self, window: Window) -> None:
+        words = await self._decode(window)
+        if text := self._tracker.apply(window, words):
+            words = self._tracker.committed + self._tracker.tentative
+            self._send(stt.SpeechEventType.INTERIM_TRANSCRIPT, self._speech_data(words, text))
+
+    def _on_pass_done(self, task: asyncio.Task[None]) -> None:
+        self._pass = None
+        if task.cancelled():
+            return
+        if (e := task.exception()) is not None:
+            self._pass_error = e
+            return
+        self._start_pass()  # audio that came during the pass may make another one due
+
+    async def _finish_utterance(self) -> None:
+        self._flushing = True
+        try:
+            if self._pass is not None:
+                await self._pass  # its words are committed before the final pass is cut
+            window = self._tracker.final_window()
+            words = await self._decode(window) if window is not None else []
+            result = self._tracker.finish(window, words)
+        finally:
+            self._flushing = False
+
+        if result is not None:
+            self.stats.utterances.append(result)
+            if result.text:  # like LiveKit's own plugins, no empty finals
+                data = self._speech_data(result.words, result.text)
+                self._send(stt.SpeechEventType.FINAL_TRANSCRIPT, data)
+            self._send(stt.SpeechEventType.END_OF_SPEECH)
+            if self._span is not None:
+                self._span.set_attributes({
+                    "faster_whisper.audio_duration_s": result.duration,
+                    "faster_whisper.interim_passes": result.passes,
+                    "faster_whisper.committed_words_at_flush": result.committed_at_flush,
+                    "faster_whisper.final_decoded_s": result.final_decoded,
+                })  # fmt: skip
+            self._end_span(closed=False)
+        if not self._opts.language:
+            self._language = None  # detect again for the next utterance
+        if not self._unreported:
+            return
+        usage = stt.RecognitionUsage(audio_duration=self._unreported / SAMPLE_RATE)
+        self._unreported = 0
+        self._event_ch.send_nowait(
+            stt.SpeechEvent(
+                type=stt.SpeechEventType.RECOGNITION_USAGE,
+                request_id=self._request_id,
+                recognition_usage=usage,
+            )
+        )
+
+    async def _decode(self, window: Window) -> list[Word]:
+        assert self._model is not None
+        try:
+            words, language = await asyncio.to_thread(
+                _decode_window, self._model, window, self._opts, self._language
+            )
+        except Exception as e:
+            raise APIError(
+                f"faster-whisper failed: {type(e).__name__}: {e}", retryable=False
+            ) from e
+        # one language per utterance: the first pass detects it when none is set
+        self._language = self._language or language
+        self.stats.passes += 1
+        self.stats.decoded_seconds += window.seconds
+        return words
+
+    def _speech_data(self, words: list[Word], text: str) -> stt.SpeechData:
+        offset = self.start_time_offset
+        timed = [
+            TimedString(
+                w.text.strip(),
+                start_time=w.start + offset,
+                end_time=w.end + offset,
+                confidence=w.probability,
+            )
+            for w in words
+        ]
+        return stt.SpeechData(
+            language=LanguageCode(self._language or _whisper_language(self._opts.language) or "en"),
+            text=text,
+            start_time=words[0].start + offset if words else 0.0,
+            end_time=words[-1].end + offset if words else 0.0,
+            confidence=float(np.mean([w.probability for w in words])) if words else 0.0,
+            words=timed if timed and self._opts.word_timestamps else None,
+        )
+
+    def _send(self, kind: stt.SpeechEventType, data: stt.SpeechData | None = None) -> None:
+        self._event_ch.send_nowait(
+            stt.SpeechEvent(
+                type=kind, request_id=self._request_id, alternatives=[data] if data else []
+            )
+        )
+
+    def _end_span(self, *, closed: bool) -> None:
+        if self._span is not None:
+            if closed:  # the stream closed mid-utterance
+                self._span.set_attribute("faster_whisper.closed", True)
+            self._span.end()
+            self._span = None
+
+
+class _To16k:
+    """Frames at any rate and channel count to whisper's 16 kHz mono float32, as they come."""
+
+    def __init__(self) -> None:
+        self._resampler: rtc.AudioResampler | None = None
+
+    def push(self, frame: rtc.AudioFrame) -> np.ndarray:
+        if frame.sample_rate == SAMPLE_RATE:
+            return _mono([frame])
+        if self._resampler is None:
+            self._resampler = rtc.AudioResampler(
+                frame.sample_rate,
+                SAMPLE_RATE,
+                num_channels=frame.num_channels,
+                quality=rtc.AudioResamplerQuality.HIGH,
+            )
+        return _mono(self._resampler.push(frame))
+
+    def flush(self) -> np.ndarray:
+        """What the resampler still holds (at a flush: the end of the utterance's audio)."""
+        return _mono(self._resampler.flush()) if self._resampler is not None else _mono([])
+
+
+def _mono(frames: list[rtc.AudioFrame]) -> np.ndarray:
+    parts = [
+        np.frombuffer(f.data, dtype=np.int16).reshape(-1, f.num_channels).mean(axis=1)
+        for f in frames
+    ]
+    if not parts:
+        return np.zeros(0, dtype=np.float32)
+    return (np.concatenate(parts) / 32768.0).astype(np.float32)
+
+
+def _decode_window(
+    model: WhisperModel, window: Window, opts: _STTOptions, language: str | None
+) -> tuple[list[Word], str]:
+    """Blocking, in a worker thread: one whisper pass; word times are seconds of the window."""
+    prompt = " ".join(p for p in (opts.initial_prompt, window.prompt) if p) or None
+    segments, info = model.transcribe(
+        window.audio,
+        language=language,
+        beam_size=opts.beam_size,
+        initial_prompt=prompt,
+        word_timestamps=True,  # the cut after the committed words needs them
+        vad_filter=False,
+        condition_on_previous_text=False,
+        # no sampled retries: a partial window often scores low, and random re-decodes would
+        # make passes disagree (and cost a decode each)
+        temperature=0.0,
+    )
+    words = [
+        Word(w.word, float(w.start), float(w.end), float(w.probability))
+        for s in segments  # decoding happens while iterating
+        for w in (s.words or [])
+        if w.word.strip()
+    ]
+    return words, info.language
+
 
 def _validate(opts: _STTOptions) -> None:
     if not opts.model or not opts.model.strip():
@@ -189,6 +466,8 @@ def _validate(opts: _STTOptions) -> None:
         raise ValueError(f"beam_size must be >= 1, got {opts.beam_size}")
     if opts.cpu_threads < 0:
         raise ValueError(f"cpu_threads must be >= 0, got {opts.cpu_threads}")
+    if not opts.interim_interval > 0:
+        raise ValueError(f"interim_interval must be > 0, got {opts.interim_interval}")
 
 
 def _load(opts: _STTOptions) -> WhisperModel:
