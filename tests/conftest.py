@@ -40,3 +40,18 @@ def tiny_checkpoint(tmp_path_factory):
         return built[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+async def engine(tiny_checkpoint):
+    """An in-process engine server (127.0.0.1, any port) on the tiny CustomVoice checkpoint whose
+    utterances end by EOS, as a real model's do; one per test module."""
+    from qwen3_tts_engine.runtime.engine import Engine
+    from qwen3_tts_engine.runtime.handler import Handler
+    from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
+
+    model = str(tiny_checkpoint("custom_voice", eos="text"))
+    srv = EngineServer(Engine(model, [Handler(model)]), ServerConfig(port=0))
+    await srv.start()
+    yield srv
+    await srv.stop()

@@ -284,19 +284,6 @@ def test_a_bad_environment_value_fails_before_anything_starts(tmp_path):
 # -- a request that fails inside a turn ends it at once ------------------------------------------
 
 
-@pytest.fixture(scope="module")
-async def engine(tiny_checkpoint):
-    from qwen3_tts_engine.runtime.engine import Engine
-    from qwen3_tts_engine.runtime.handler import Handler
-    from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
-
-    model = str(tiny_checkpoint("custom_voice", eos="text"))
-    srv = EngineServer(Engine(model, [Handler(model)]), ServerConfig(port=0))
-    await srv.start()
-    yield srv
-    await srv.stop()
-
-
 @pytest.mark.slow
 async def test_an_unknown_voice_ends_the_turn_at_once_with_the_engines_message(engine, caplog):
     llm = await ScriptedChatServer("Hello there.", use_tool=False).start()

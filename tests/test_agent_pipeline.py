@@ -14,9 +14,6 @@ import httpx
 import numpy as np
 import pytest
 
-from qwen3_tts_engine.runtime.engine import Engine
-from qwen3_tts_engine.runtime.handler import Handler
-from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 from voice_agent.demo import load_turn_audio, run_turns
 from voice_agent.local_services import ensure_llm
 from voice_agent.pipeline import APOLOGY, VoiceAgent
@@ -30,15 +27,6 @@ pytestmark = pytest.mark.slow
 # The engine's checkpoint ends each sentence by EOS (about one frame per text token), as a real
 # model does; the agent sends no frame cap unless a test sets one.
 SEGMENT_MARKER = 240  # LiveKit closes a TTS segment with at most a 10 ms frame at 24 kHz
-
-
-@pytest.fixture(scope="module")
-async def engine(tiny_checkpoint):
-    model = str(tiny_checkpoint("custom_voice", eos="text"))
-    srv = EngineServer(Engine(model, [Handler(model)]), ServerConfig(port=0))
-    await srv.start()
-    yield srv
-    await srv.stop()
 
 
 def _settings(engine, llm_url: str, **kw) -> Settings:

@@ -24,9 +24,6 @@ import pytest
 
 from qwen3_tts_engine.audio import AudioEncoder
 from qwen3_tts_engine.protocol import CONTENT_TYPES, FRAME_SAMPLES, OPENAI_VOICE_ALIASES
-from qwen3_tts_engine.runtime.engine import Engine
-from qwen3_tts_engine.runtime.handler import Handler
-from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
 pytestmark = pytest.mark.slow
 TEXT = "Hello there, how are you?"
@@ -36,12 +33,8 @@ EXTRA = {"seed": 5, "max_new_tokens": FRAMES, "first_chunk_frames": 2}
 
 
 @pytest.fixture(scope="module")
-async def engine_url(tiny_checkpoint):
-    model = str(tiny_checkpoint("custom_voice", eos="text"))
-    srv = EngineServer(Engine(model, [Handler(model)]), ServerConfig(port=0))
-    await srv.start()
-    yield f"http://127.0.0.1:{srv.port}"
-    await srv.stop()
+def engine_url(engine):  # the module's in-process engine (conftest)
+    return f"http://127.0.0.1:{engine.port}"
 
 
 @pytest.fixture

@@ -18,9 +18,6 @@ from livekit.plugins import qwen3_tts
 
 from livekit.plugins.qwen3_tts.clauses import FirstClauseTokenizer, cut_first_clause
 from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES
-from qwen3_tts_engine.runtime.engine import Engine
-from qwen3_tts_engine.runtime.handler import Handler
-from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
 from .engine_process import free_port
 from .tts_audio import pcm, synthesize
@@ -296,15 +293,6 @@ async def _speak(tts, pieces: list[str], *, before_each=None):
         await stream.aclose()
         feeder.cancel()
     return stream, np.concatenate(audio) if audio else np.zeros(0, np.int16), events
-
-
-@pytest.fixture(scope="module")
-async def engine(tiny_checkpoint):
-    model = str(tiny_checkpoint("custom_voice", eos="text"))  # utterances end by EOS
-    srv = EngineServer(Engine(model, [Handler(model)]), ServerConfig(port=0))
-    await srv.start()
-    yield srv
-    await srv.stop()
 
 
 @pytest.mark.slow

@@ -14,9 +14,6 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from qwen3_tts_engine.runtime.engine import Engine
-from qwen3_tts_engine.runtime.handler import Handler
-from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 from voice_agent.demo import load_turn_audio, run_turns
 from voice_agent.settings import Settings
 from voice_agent.speech_assets import speech_wav
@@ -48,15 +45,6 @@ async def test_the_rule_speaks_livekits_turn_detector_protocol():
     ctx.add_message(role="user", content="four people on Friday evening.")
     assert await detector.predict_end_of_turn(ctx) > threshold
     assert await detector.supports_language("en-US") and not await detector.supports_language("de")
-
-
-@pytest.fixture(scope="module")
-async def engine(tiny_checkpoint):
-    model = str(tiny_checkpoint("custom_voice", eos="text"))
-    srv = EngineServer(Engine(model, [Handler(model)]), ServerConfig(port=0))
-    await srv.start()
-    yield srv
-    await srv.stop()
 
 
 @pytest.fixture
