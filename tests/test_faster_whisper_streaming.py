@@ -118,14 +118,6 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def bundled_path():
-    try:
-        return faster_whisper.bundled_tiny_en_path()
-    except faster_whisper.ModelLoadError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def streaming_stt(bundled_path):
     stt = faster_whisper.STT(model="bundled", streaming=True)
     stt.load()

@@ -51,14 +51,6 @@ def frames_of(samples: np.ndarray, rate: int, frame_ms: int) -> list[rtc.AudioFr
 
 
 @pytest.fixture(scope="module")
-def bundled_path():
-    try:
-        return faster_whisper.bundled_tiny_en_path()
-    except faster_whisper.ModelLoadError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def whisper(bundled_path):
     stt = faster_whisper.STT(model="bundled")
     t0 = time.perf_counter()
