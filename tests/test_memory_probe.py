@@ -150,3 +150,20 @@ def test_manual_probe_sets_pressure_or_bytes():
     assert p.read().pressure == pytest.approx(0.9)
     p.set(used_bytes=100, limit_bytes=200)
     assert p.read().available_bytes == 100
+
+
+def test_on_a_mac_auto_is_the_macos_probe_with_the_kernels_level(tmp_path, monkeypatch):
+    """A Mac has no /proc: `auto` (the governor's and `qwen3-tts serve`'s default) takes the macOS
+    probe, which adds the kernel's pressure level from sysctl (a stand-in here) to psutil's."""
+    probe = detect_probe(proc_cgroup=tmp_path / "proc/cgroup", mountinfo=tmp_path / "proc/mountinfo",
+                         platform="darwin")  # fmt: skip
+    assert type(probe) is MacOSProbe
+    sysctl = tmp_path / "bin" / "sysctl"
+    sysctl.parent.mkdir()
+    sysctl.write_text('#!/bin/sh\n[ "$*" = "-n kern.memorystatus_vm_pressure_level" ] && echo 2\n')
+    sysctl.chmod(0o755)
+    monkeypatch.setenv("PATH", str(sysctl.parent))
+    r = probe.read()
+    assert (r.source, r.kernel_level) == ("macos", "warn") and 0 < r.pressure < 1
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))  # no sysctl: psutil's numbers alone
+    assert probe.read().kernel_level is None

@@ -36,6 +36,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -403,22 +404,72 @@ def _answers(url: str) -> bool:
         return False
 
 
+# a tqdm bar ("Fetching 9 files:  44%|####4     | 4/9 [00:12<00:15, ...]"): a download or conversion
+_PROGRESS_BAR = re.compile(r"\d+%\|")
+
+
+def newest_progress(text: str) -> str | None:
+    """The newest progress-bar line in `text` (tqdm redraws a bar after a carriage return)."""
+    bars = [part.strip() for part in re.split(r"[\r\n]", text) if _PROGRESS_BAR.search(part)]
+    return bars[-1] if bars else None
+
+
+class _LogProgress:
+    """The progress bars a starting service writes to its log (hub downloads, quantize-on-load),
+    relayed to a person watching the terminal on one line that redraws."""
+
+    def __init__(self, log: Path, offset: int) -> None:
+        self.log, self.offset, self.last, self.shown = log, offset, None, False
+
+    def poll(self, what: str) -> bool:
+        """True when the service drew a new bar since the last look (it is making progress)."""
+        try:
+            with open(self.log, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except OSError:
+            return False
+        self.offset += len(data)
+        bar = newest_progress(data.decode(errors="replace"))
+        if bar is None or bar == self.last:
+            return False
+        self.last = bar
+        if sys.stderr.isatty():
+            print(f"\rvoice-agent: {what}: {bar[:150]}\x1b[K", end="", file=sys.stderr, flush=True)
+            self.shown = True
+        return True
+
+    def end(self) -> None:
+        if self.shown:
+            print(file=sys.stderr, flush=True)
+            self.shown = False
+
+
 def _wait(url: str, proc: subprocess.Popen, what: str, timeout: float, log: Path,
-          port: int) -> None:  # fmt: skip
+          port: int, log_offset: int = 0) -> None:  # fmt: skip
+    """Until `url` answers. `timeout` counts from the service's last progress bar, so a first
+    start that downloads gigabytes on a slow link is not cut short while the bytes keep coming."""
+    relay = _LogProgress(log, log_offset)
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _answers(url):
-            return
-        if proc.poll() is not None:
-            # one line: the last line of its log (an exception, usually) and where the rest is
-            lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
-            last = f": {lines[-1].strip()}" if lines else ""
-            holder = _holder(port)
-            held = f"; port {port} is in use by {holder}" if holder else ""
-            code = proc.returncode
-            raise RuntimeError(f"{what} exited with code {code}{last} (log: {log}){held}")
-        time.sleep(0.25)
-    raise TimeoutError(f"{what} did not answer {url} within {timeout:.0f}s (log: {log})")
+    try:
+        while time.monotonic() < deadline:
+            if relay.poll(what):
+                deadline = time.monotonic() + timeout
+            if _answers(url):
+                return
+            if proc.poll() is not None:
+                # one line: the last line of its log (an exception, usually) and where the rest is
+                lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+                last = f": {lines[-1].strip()}" if lines else ""
+                holder = _holder(port)
+                held = f"; port {port} is in use by {holder}" if holder else ""
+                code = proc.returncode
+                raise RuntimeError(f"{what} exited with code {code}{last} (log: {log}){held}")
+            time.sleep(0.25)
+    finally:
+        relay.end()
+    raise TimeoutError(f"{what} did not answer {url} within {timeout:.0f}s without progress "
+                       f"(log: {log})")  # fmt: skip
 
 
 class _HostLock:
@@ -489,8 +540,9 @@ def _spawn(key: str, cmd: list[str], log_name: str, ready_url: str, what: str, t
     _join(key)  # before the start: the watchdog keeps a service only while it has a live user
     try:
         with open(log, "ab") as fh:
+            offset = fh.tell()  # earlier starts' lines are not this start's progress
             proc = _launch(key, cmd, fh, env)
-        _wait(ready_url, proc, what, timeout, log, port)
+        _wait(ready_url, proc, what, timeout, log, port, offset)
         _record_started(key, proc.pid, model)
         progress(f"{what} is ready ({time.monotonic() - t0:.0f} s)")
     except BaseException:
@@ -540,6 +592,31 @@ def _hub_cache_exists() -> None:
         pass
 
 
+# what mlx_lm.server downloads for a hub model (mlx-lm 0.32's `DEFAULT_ALLOW_PATTERNS`)
+MLX_LM_FILES = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
+                "tiktoken.model", "*.txt", "*.jsonl", "*.jinja"]  # fmt: skip
+
+
+def download_llm(model: str) -> None:
+    """Fetch a hub LLM into the hub cache here, in the foreground with its progress bars, before
+    mlx_lm.server starts: the server answers at once and loads (downloads) the model behind that
+    answer, where nobody sees it and the first reply waits. A model already in the cache is used
+    without asking the hub."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        snapshot_download(model, allow_patterns=MLX_LM_FILES, local_files_only=True)
+        return
+    except Exception:  # not (completely) in the cache: huggingface_hub raises several types
+        pass
+    progress(f"downloading the LLM {model} into the hub cache (once) ...")
+    try:
+        snapshot_download(model, allow_patterns=MLX_LM_FILES)
+    except Exception as e:
+        raise RuntimeError(f"cannot download {model!r} ({type(e).__name__}: {e}); without a "
+                           "network, pass a local model directory (LLM_MODEL)") from e  # fmt: skip
+
+
 def ensure_llm(settings: Settings, *, timeout: float = 600.0) -> LocalService:
     """The LLM base URL to use: the configured one, or a local mlx_lm.server of ours."""
     if settings.llm_base_url:
@@ -567,6 +644,8 @@ def ensure_llm(settings: Settings, *, timeout: float = 600.0) -> LocalService:
             if not (path / "config.json").is_file():
                 write_tiny_llm(path)
             model, notes = str(path), (RANDOM_LLM,)
+        elif not Path(model).expanduser().is_dir():
+            download_llm(model)
         cmd = [sys.executable, "-m", "mlx_lm.server", "--model", model, "--host", "127.0.0.1",
                "--port", str(port)]  # fmt: skip
         env = {**os.environ, "HF_HUB_OFFLINE": "1"} if settings.offline else None

@@ -1,6 +1,7 @@
 """Real speech for tests and demos: espeak-ng WAVs at a chosen sample rate, cached on disk.
 
-Also small helpers to read audio into int16 samples (`read_audio`: any file FFmpeg decodes, via
+On a Mac without espeak-ng, macOS's own `say` speaks instead (`choose_speech_tool`). Also small
+helpers to read audio into int16 samples (`read_audio`: any file FFmpeg decodes, via
 PyAV; `read_wav`: 16-bit PCM WAV) and to pad speech with silence.
 """
 
@@ -13,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import wave
 from pathlib import Path
@@ -22,10 +24,30 @@ import numpy as np
 CACHE_ENV = "VOICE_AGENT_CACHE"
 DEFAULT_CACHE_ROOT = Path("~/.cache/qwen3-voice-agent")
 INSTALL_HINT = "apt-get install espeak-ng sox"
+MACOS_INSTALL_HINT = "brew install espeak-ng sox"
+SPEECH_TOOL_ENV = "VOICE_AGENT_SPEECH_TOOL"  # espeak-ng | say; unset: choose_speech_tool decides
+SPEECH_TOOLS = ("espeak-ng", "say")
+# espeak-ng's English voice names -> voices every macOS has; other names go to `say -v` as given
+SAY_VOICES = {"en": "Samantha", "en-us": "Samantha", "en-gb": "Daniel"}
 
 
 class SpeechToolMissing(RuntimeError):
-    """espeak-ng (or sox, for resampling) is not installed."""
+    """espeak-ng (or sox, for resampling), or macOS's `say`, is not installed."""
+
+
+def choose_speech_tool(requested: str | None = None, *, platform: str = sys.platform,
+                       which=shutil.which) -> str:  # fmt: skip
+    """The program that speaks: `requested`, else `$VOICE_AGENT_SPEECH_TOOL`, else espeak-ng where
+    it is installed (the tests' expected transcripts were tuned on its voice), else `say` on
+    macOS, where it always is. Elsewhere espeak-ng (its absence is reported when it is run)."""
+    requested = requested or os.environ.get(SPEECH_TOOL_ENV) or None
+    if requested is not None:
+        if requested not in SPEECH_TOOLS:
+            raise ValueError(f"unknown speech tool {requested!r}; one of {', '.join(SPEECH_TOOLS)}")
+        return requested
+    if which("espeak-ng") is None and platform == "darwin" and which("say") is not None:
+        return "say"
+    return "espeak-ng"
 
 
 class AudioFileError(ValueError):
@@ -47,22 +69,28 @@ def speech_wav(
     voice: str = "en-us",
     words_per_minute: int | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    tool: str | None = None,
 ) -> Path:
-    """Path to a mono 16-bit WAV of `text` spoken by espeak-ng at `sample_rate`.
+    """Path to a mono 16-bit WAV of `text` spoken at `sample_rate` by espeak-ng, or by macOS's
+    `say` (`tool`; see `choose_speech_tool`). `voice` is espeak-ng's voice; `say` maps the English
+    ones (`SAY_VOICES`) and takes any other as one of its own names.
 
-    Generated once per (text, voice, rate, speed) and reused from the cache afterwards.
+    Generated once per (text, voice, rate, speed, tool) and reused from the cache afterwards.
     """
     if not text.strip():
         raise ValueError("text must not be empty")
     if sample_rate <= 0:
         raise ValueError(f"sample_rate must be positive, got {sample_rate}")
 
+    tool = choose_speech_tool(tool)
     directory = speech_cache_dir(cache_dir)
-    path = directory / _cache_name(text, voice, sample_rate, words_per_minute)
+    path = directory / _cache_name(text, voice, sample_rate, words_per_minute, tool)
     if path.is_file():
         return path
 
     directory.mkdir(parents=True, exist_ok=True)
+    if tool == "say":
+        return _say_wav(text, path, voice, sample_rate, words_per_minute)
     espeak = _require_tool("espeak-ng")
     # write under a temporary name, then rename: concurrent callers never see half a file
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -83,6 +111,45 @@ def speech_wav(
             _run([sox, str(raw), "-b", "16", "-c", "1", str(out), "rate", "-h", str(sample_rate)])
         os.replace(out, path)
     return path
+
+
+def _say_wav(text: str, path: Path, voice: str, sample_rate: int,
+             words_per_minute: int | None) -> Path:  # fmt: skip
+    """macOS's `say` writes 16-bit PCM at `sample_rate` itself (no sox); the text goes through a
+    file, so a text that starts with a dash is never read as an option."""
+    say = _require_tool("say")
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        text_file, raw = Path(tmp) / "text.txt", Path(tmp) / "say.wav"
+        text_file.write_text(text, encoding="utf-8")
+        cmd = [say, "-o", str(raw), "--file-format=WAVE", f"--data-format=LEI16@{sample_rate}",
+               "-v", SAY_VOICES.get(voice, voice)]  # fmt: skip
+        if words_per_minute is not None:
+            cmd += ["-r", str(words_per_minute)]
+        _run([*cmd, "-f", str(text_file)])
+        out = _plain_pcm_wav(raw, sample_rate, Path(tmp) / "plain.wav")
+        os.replace(out, path)
+    return path
+
+
+def _plain_pcm_wav(path: Path, sample_rate: int, out: Path) -> Path:
+    """`path` when it is a mono 16-bit PCM WAV at `sample_rate` that `wave` reads, else `out`
+    holding its audio as one (a WAVE_FORMAT_EXTENSIBLE header, more channels, another rate)."""
+    try:
+        with wave.open(str(path), "rb") as w:
+            if (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, sample_rate):
+                return path
+    except (wave.Error, EOFError):
+        pass
+    try:
+        samples = read_audio(path, sample_rate)
+    except AudioFileError as e:
+        raise RuntimeError(f"say wrote no usable audio: {e}") from None
+    with wave.open(str(out), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sample_rate)
+        w.writeframes(samples.astype("<i2").tobytes())
+    return out
 
 
 def read_wav(path: str | os.PathLike[str]) -> tuple[np.ndarray, int]:
@@ -196,18 +263,24 @@ def speech_samples(text: str, *, sample_rate: int = 16000, **kwargs) -> np.ndarr
     return samples
 
 
-def _cache_name(text: str, voice: str, sample_rate: int, words_per_minute: int | None) -> str:
-    key = json.dumps([text, voice, sample_rate, words_per_minute], ensure_ascii=False)
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+def _cache_name(text: str, voice: str, sample_rate: int, words_per_minute: int | None,
+                tool: str = "espeak-ng") -> str:  # fmt: skip
+    # espeak-ng's names are those from before `say` existed here: caches made then stay valid
+    key = [text, voice, sample_rate, words_per_minute] + ([tool] if tool != "espeak-ng" else [])
+    digest = hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()[:16]
     slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40] or "speech"
-    voice_slug = re.sub(r"[^A-Za-z0-9+.-]+", "_", voice)
+    voice_slug = re.sub(r"[^A-Za-z0-9+.-]+", "_", voice if tool == "espeak-ng" else f"{tool}-{voice}")
     return f"{slug}.{voice_slug}.{sample_rate}hz.{digest}.wav"
 
 
 def _require_tool(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        raise SpeechToolMissing(f"{name} is not installed; install it with: {INSTALL_HINT}")
+        if name == "say":
+            raise SpeechToolMissing(f"say is not installed (it is part of macOS); elsewhere use "
+                                    f"espeak-ng: {INSTALL_HINT}")  # fmt: skip
+        hint = MACOS_INSTALL_HINT if sys.platform == "darwin" else INSTALL_HINT
+        raise SpeechToolMissing(f"{name} is not installed; install it with: {hint}")
     return path
 
 
