@@ -14,8 +14,11 @@ from aiohttp import web
 
 class ScriptedChatServer:
     def __init__(self, answer: str = "It is noon. Anything else I can do for you?", *,
-                 use_tool: bool = True, fail: bool = False, echo: bool = False) -> None:  # fmt: skip
+                 use_tool: bool = True, fail: bool = False, echo: bool = False,
+                 tool_rules: dict[str, str] | None = None) -> None:  # fmt: skip
         self.answer = answer
+        # {words in the last user message: the tool to call}: e.g. {"pressed 7": "end_call"}
+        self.tool_rules = {k.lower(): v for k, v in (tool_rules or {}).items()}
         self.echo = echo  # answer "You said: <the last user message>." (which request a reply answers)
         self.use_tool = use_tool
         self.fail = fail
@@ -42,6 +45,19 @@ class ScriptedChatServer:
         if self.runner:
             await self.runner.cleanup()
 
+    def _rule_tool(self, body: dict) -> str | None:
+        """The tool a rule asks for: the last user message matches, and no tool has answered since."""
+        messages = body["messages"]
+        last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+        if last_user is None or any(m.get("role") == "tool" for m in messages[last_user:]):
+            return None
+        text = _text(messages[last_user].get("content")).lower()
+        offered = {t.get("function", {}).get("name") for t in body.get("tools") or []}
+        for words, tool in self.tool_rules.items():
+            if words in text and tool in offered:
+                return tool
+        return None
+
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "scripted", "object": "model"}]})
 
@@ -58,9 +74,12 @@ class ScriptedChatServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         had_tool_result = any(m.get("role") == "tool" for m in body["messages"])
-        if self.use_tool and body.get("tools") and not had_tool_result:
-            call = {"index": 0, "id": "call_1", "type": "function",
-                    "function": {"name": "get_current_time", "arguments": "{}"}}  # fmt: skip
+        tool = self._rule_tool(body)
+        if tool is None and self.use_tool and body.get("tools") and not had_tool_result:
+            tool = "get_current_time"
+        if tool is not None:
+            call = {"index": 0, "id": f"call_{len(self.requests)}", "type": "function",
+                    "function": {"name": tool, "arguments": "{}"}}  # fmt: skip
             await resp.write(self._chunk({"role": "assistant", "tool_calls": [call]}))
             await resp.write(self._chunk({}, "tool_calls"))
         else:
@@ -69,7 +88,7 @@ class ScriptedChatServer:
             if self.echo:
                 users = [m for m in body["messages"] if m.get("role") == "user"]
                 heard = users[-1]["content"] if users else ""
-                heard = heard if isinstance(heard, str) else " ".join(p.get("text", "") for p in heard)
+                heard = _text(heard)
                 answer = f"You said: {heard.strip().rstrip('.?!')}."
             for word in answer.split():
                 await resp.write(self._chunk({"content": word + " "}))
@@ -77,3 +96,10 @@ class ScriptedChatServer:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+
+def _text(content) -> str:
+    """A message's text: a string, or OpenAI's list of content parts."""
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else " ".join(p.get("text", "") for p in content)

@@ -30,8 +30,8 @@ APOLOGY = "Sorry, I can't think right now. Please try again in a moment."
 
 
 class VoiceAgent(Agent):
-    def __init__(self, instructions: str) -> None:
-        super().__init__(instructions=instructions)
+    def __init__(self, instructions: str, tools: list | None = None) -> None:
+        super().__init__(instructions=instructions, tools=tools or [])
         self.tool_calls: list[str] = []
 
     @function_tool
@@ -85,9 +85,13 @@ def build_tts(settings: Settings, url: str):
     )  # fmt: skip
 
 
-def build_vad(settings: Settings):
+def build_vad(settings: Settings, *, phone: bool = False):
+    """Silero VAD; `phone`: with the settings for phone callers (PHONE_VAD_*)."""
     from livekit.plugins import silero
 
+    if phone:
+        return silero.VAD.load(min_silence_duration=settings.phone_vad_min_silence,
+                               activation_threshold=settings.phone_vad_activation)  # fmt: skip
     return silero.VAD.load(min_silence_duration=settings.vad_min_silence)
 
 

@@ -102,6 +102,45 @@ def _stt_model(v: str) -> str | None:
                                     "id (owner/name)")  # fmt: skip
 
 
+DTMF_DIGITS = "0123456789*#"
+DTMF_ACTIONS = ("transfer", "hangup")
+
+
+def parse_dtmf_actions(spec: str) -> dict[str, str]:
+    """`"0=transfer,9=hangup"` -> {"0": "transfer", "9": "hangup"} (ValueError on a bad entry)."""
+    actions: dict[str, str] = {}
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        digit, sep, action = (p.strip() for p in entry.partition("="))
+        if not sep or len(digit) != 1 or digit not in DTMF_DIGITS:
+            raise ValueError(f"{entry!r} is not DIGIT=ACTION (a digit 0-9, * or #)")
+        if action not in DTMF_ACTIONS:
+            raise ValueError(f"{entry!r}: unknown action {action!r} (choose from {', '.join(DTMF_ACTIONS)})")
+        if digit in actions:
+            raise ValueError(f"digit {digit!r} is given two actions")
+        actions[digit] = action
+    return actions
+
+
+def _dtmf_actions(v: str) -> str | None:
+    try:
+        parse_dtmf_actions(v)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _transfer_target(v: str) -> str | None:
+    """A `tel:` or `sip:` URI, or a number in E.164 form (+ and digits)."""
+    number = v.removeprefix("tel:")
+    if v.startswith("sip:") or (number.startswith("+") and number[1:].isdigit() and len(number) > 4):
+        return None
+    return f"{v!r} is not a phone number (+15550100, tel:+15550100) or a sip: URI"
+
+
+def _probability(v) -> str | None:
+    return None if 0 < v < 1 else f"must be between 0 and 1, got {v}"
+
+
 class _EnvSettings:
     """`load()` for a settings dataclass whose fields carry `env`/`help` metadata (see `_f`)."""
 
@@ -212,6 +251,21 @@ class Settings(_EnvSettings):
                               "endpoints (`/`, `/worker`; 0: any free port)", check=_port)
     worker_tag: str | None = _f("WORKER_TAG", None, "name of this worker, published as the agent "
                                 "participant's `worker` attribute (unset: none)")
+    # Phone calls: callers that are SIP participants (README: Phone calls).
+    phone_greeting: str = _f("PHONE_GREETING", "Hello! You are speaking with a voice assistant. "
+                             "How can I help you?", "what the agent says when a phone caller "
+                             "joins ({caller_number}: the caller's number, digit by digit; empty: "
+                             "nothing)")
+    phone_vad_activation: float = _f("PHONE_VAD_ACTIVATION", 0.5, "Silero's speech threshold for "
+                                     "phone callers (raise it on noisy lines)", check=_probability)
+    phone_vad_min_silence: float = _f("PHONE_VAD_MIN_SILENCE", 0.35, "VAD_MIN_SILENCE for phone "
+                                      "callers", check=_positive)
+    dtmf_actions: str = _f("DTMF_ACTIONS", "", "keypad digits with an action, e.g. "
+                           "'0=transfer,9=hangup'; every other digit reaches the LLM as text ('The "
+                           "caller pressed 1')", check=_dtmf_actions)
+    transfer_to: str | None = _f("TRANSFER_TO", None, "where `transfer_call` and the transfer "
+                                 "digit send a phone caller (+15550100, tel:..., sip:...; unset: "
+                                 "no transfers)", check=_transfer_target)
     offline: bool = _f("VOICE_AGENT_OFFLINE", False, "never use the network: bundled and generated "
                        "models only (also implied by HF_HUB_OFFLINE=1)")
 

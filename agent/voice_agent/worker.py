@@ -19,6 +19,8 @@ from urllib.parse import urlparse
 
 import httpx
 from livekit.agents import AgentServer, JobContext, JobProcess, cli
+from livekit.agents.beta.tools import EndCallTool
+from livekit.agents.voice.room_io import RoomOptions
 from livekit.agents.worker import _DefaultLoadCalc
 
 from livekit.plugins.qwen3_tts import EngineLoad
@@ -26,7 +28,8 @@ from livekit.plugins.qwen3_tts import EngineLoad
 from .local_services import LocalService, ensure_llm, ensure_tts_engine, resolve_offline
 from .observability import TurnMetrics, tracer_provider_from_env
 from .pipeline import VoiceAgent, build_session, build_stt, build_vad
-from .settings import Settings
+from .settings import Settings, parse_dtmf_actions
+from .telephony import PhoneCall, PhoneCaller
 
 logger = logging.getLogger("voice_agent")
 STALE_AFTER_S = 5.0  # no engine status for this long: the engine counts as saturated
@@ -132,6 +135,7 @@ def prewarm(proc: JobProcess) -> None:
 
     settings = Settings.load()
     proc.userdata["vad"] = build_vad(settings)
+    proc.userdata["phone_vad"] = build_vad(settings, phone=True)  # for callers of kind SIP
     stt = build_stt(settings)
     stt.load()  # the model is loaded once per process and shared by its jobs
     proc.userdata["stt"] = stt
@@ -150,17 +154,46 @@ server = AgentServer(setup_fnc=prewarm, load_fnc=load)
 @server.rtc_session()
 async def entrypoint(ctx: JobContext) -> None:
     settings = Settings.load()
+    await ctx.connect()
+    participant = await ctx.wait_for_participant()  # a person, or a phone call (kind SIP)
+    caller = PhoneCaller.of(participant)
+    vad = ctx.proc.userdata["phone_vad" if caller else "vad"]
     session = build_session(settings, tts_url=os.environ["TTS_URL"], llm_url=os.environ["LLM_BASE_URL"],
-                            vad=ctx.proc.userdata["vad"], stt=ctx.proc.userdata["stt"])  # fmt: skip
+                            vad=vad, stt=ctx.proc.userdata["stt"])  # fmt: skip
     TurnMetrics(session)  # one log line per turn, with LiveKit's per-turn latencies
     if (provider := ctx.proc.userdata.get("tracer_provider")) is not None:
         async def flush_traces(*_) -> None:  # the call's spans leave before the process may end
             await asyncio.to_thread(provider.force_flush)
 
         ctx.add_shutdown_callback(flush_traces)
-    await session.start(agent=VoiceAgent(settings.instructions), room=ctx.room)
+
+    @session.on("close")
+    def _on_close(ev) -> None:  # the caller hung up (or the call ended): free this process now
+        reason = f"session closed: {getattr(ev.reason, 'value', ev.reason)}"
+        logger.info("call ended (%s): ending the job", reason)
+        ctx.shutdown(reason=reason)
+
+    instructions, tools, call = settings.instructions, [], None
+    if caller is not None:
+        call = PhoneCall(ctx, session, caller, actions=parse_dtmf_actions(settings.dtmf_actions),
+                         transfer_to=settings.transfer_to)  # fmt: skip
+        instructions = f"{instructions}\n{caller.instructions()}"
+        tools = [EndCallTool(), *call.tools()]
+        logger.info("phone call %s from %r (trunk %r)", caller.call_id, caller.phone_number,
+                    caller.trunk_phone_number)  # fmt: skip
+    await session.start(agent=VoiceAgent(instructions, tools), room=ctx.room,
+                        room_options=RoomOptions(participant_identity=participant.identity))  # fmt: skip
     if settings.worker_tag:  # which worker (host) serves this call, for operators and tests
         await ctx.room.local_participant.set_attributes({"worker": settings.worker_tag})
+    if call is not None:
+        call.start()
+        ctx.add_shutdown_callback(lambda *_: _aclose(call))
+        if settings.phone_greeting:
+            session.say(caller.greeting(settings.phone_greeting))
+
+
+async def _aclose(call: PhoneCall) -> None:
+    call.close()
 
 
 def _url_option(argv: Sequence[str]) -> str | None:
