@@ -35,6 +35,7 @@ class LiveKitServer:
     api_secret: str
     proc: subprocess.Popen | None = None  # None: an external server
     log: Path | None = None
+    webhook_port: int | None = None  # the server posts its webhooks to 127.0.0.1:<this>/webhook
 
     @property
     def http_url(self) -> str:
@@ -62,10 +63,11 @@ def free_udp_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(port: int, udp_port: int) -> str:
+def _config(port: int, udp_port: int, webhook_port: int) -> str:
     # Loopback only: HTTP/WebSocket and the one UDP port for media bind 127.0.0.1, ICE offers
     # only the loopback candidate, and the ICE/TCP listener (which binds all addresses) is off.
-    # The node-selector limits are raised so a busy 2-core machine still gets rooms.
+    # The node-selector limits are raised so a busy 2-core machine still gets rooms. Webhooks go to
+# a port of this test session's own (a call keeper listens there when a test starts one).
     return f"""\
 port: {port}
 bind_addresses: ["127.0.0.1"]
@@ -81,6 +83,9 @@ rtc:
     includes: [127.0.0.1/32]
 keys:
   devkey: secret
+webhook:
+  api_key: devkey
+  urls: ["http://127.0.0.1:{webhook_port}/webhook"]
 node_selector:
   cpu_load_limit: 100
   sysload_limit: 100
@@ -90,16 +95,16 @@ logging:
 
 
 def start_server(binary: Path, workdir: Path, timeout: float = 60.0) -> LiveKitServer:
-    port, udp_port = free_port(), free_udp_port()
+    port, udp_port, webhook_port = free_port(), free_udp_port(), free_port()
     config = workdir / "livekit.yaml"
-    config.write_text(_config(port, udp_port))
+    config.write_text(_config(port, udp_port, webhook_port))
     log = workdir / "livekit-server.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
             [str(binary), "--dev", "--config", str(config), "--bind", "127.0.0.1", "--node-ip", "127.0.0.1"],
             stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-    server = LiveKitServer(f"ws://127.0.0.1:{port}", "devkey", "secret", proc, log)
+    server = LiveKitServer(f"ws://127.0.0.1:{port}", "devkey", "secret", proc, log, webhook_port)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -1,6 +1,7 @@
 """Two `voice-agent start` workers (as on two hosts, each with its own TTS engine) on one LiveKit
-server: jobs spread over both, a SIGKILLed worker's calls and the survivor, a saturated engine
-steering new rooms away, and a SIGTERMed worker finishing the turn in progress (drain)."""
+server: jobs spread over both, a SIGKILLed worker's call brought back on the survivor by the call
+keeper, a saturated engine steering new rooms away, and a SIGTERMed worker finishing the turn in
+progress (drain)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import uuid
 
 import httpx
 import pytest
+from aiohttp import web
 from livekit import api, rtc
 
 from voice_agent.demo import load_turn_audio
+from voice_agent.keeper import CallKeeper
 from voice_agent.speech_assets import speech_wav
 
 from .engine_process import EngineProcess, free_port
@@ -104,6 +107,11 @@ async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_pro
     llm = await ScriptedChatServer().start()
     callers: list[Caller] = []
     rooms: list[str] = []
+    # the call keeper: the workers' jobs send it heartbeats, LiveKit its webhooks (step 3)
+    keeper = CallKeeper(server.url, server.api_key, server.api_secret)
+    keeper_runner = web.AppRunner(keeper.app())
+    await keeper_runner.setup()
+    await web.TCPSite(keeper_runner, "127.0.0.1", server.webhook_port).start()
     try:
         await asyncio.gather(*(asyncio.to_thread(e.start) for e in engines.values()))
         for tag, engine in engines.items():
@@ -118,7 +126,8 @@ async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_pro
                    # the load is the TTS engine's queue alone: how busy these shared cores are
                    # must not decide whether a room gets an agent
                    "AGENT_LOAD_CPU": "0", "LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE": "0",
-                   "VOICE_AGENT_CACHE": str(tmp_path / "va")}  # fmt: skip
+                   "VOICE_AGENT_CACHE": str(tmp_path / "va"),
+                   "KEEPER_URL": f"http://127.0.0.1:{server.webhook_port}"}  # fmt: skip
             workers[tag] = _start_worker(env, tmp_path / tag, logs[tag])
         for tag in workers:
             await _until(lambda t=tag: "registered worker" in logs[t].read_text(errors="replace"),
@@ -200,16 +209,17 @@ async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_pro
             left = await gone - t_kill
         except AssertionError:
             pass
-        redispatched = None
-        try:  # does the server give the orphaned room to the survivor?
-            await _until(lambda: (a := _agent(room)) is not None and a.identity != agent.identity,
-                         "another agent in the room", 15)  # fmt: skip
-            redispatched = time.monotonic() - t_kill
-        except AssertionError:
-            pass
+        # the keeper: no heartbeat from the killed job -> its agent removed, a new one dispatched
+        await _until(lambda: (a := _agent(room)) is not None and a.identity != agent.identity
+                     and a.attributes.get("worker"), "another agent in the room", 30)  # fmt: skip
+        redispatched = time.monotonic() - t_kill
+        second = _agent(room).attributes["worker"]
+        recovered = [r for r in keeper.recoveries if r.room == name]
         await room.disconnect()
+        assert second == survivor, f"the call came back on {second}, the killed worker was {victim}"
+        assert recovered and recovered[0].reason.startswith("no heartbeat"), keeper.recoveries
         left_s = f"{left:.1f}s" if left is not None else "more than 60s"
-        again = f"after {redispatched:.1f}s" if redispatched is not None else "no (watched 15 s after it left)"
+        again = f"on {second} after {redispatched:.1f}s ({recovered[0].reason})"
         print(f"killed worker {victim}: its agent left the room after {left_s}; re-dispatched: {again}; "
               f"new call served by {tag} {new_call:.1f}s after the kill ({listening:.1f}s join->listening)")  # fmt: skip
         record_property("kill_agent_left_s", None if left is None else round(left, 2))
@@ -258,3 +268,4 @@ async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_pro
         await llm.stop()
         for engine in engines.values():
             await asyncio.to_thread(engine.stop)
+        await keeper_runner.cleanup()

@@ -1,4 +1,4 @@
-"""`voice-agent`: start | dev | console (LiveKit worker, or the local agent), demo, web, settings.
+"""`voice-agent`: start | dev | console (LiveKit worker, or the local agent), demo, web, keeper, settings.
 
 `start`/`dev`/`console` hand over to LiveKit's own agent CLI with our worker; `demo` runs spoken
 turns from WAV files through the whole pipeline without a LiveKit server; `web` serves the browser
@@ -14,7 +14,14 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from .settings import Settings, WebSettings, add_arguments, from_args, markdown_table
+from .settings import (
+    KeeperSettings,
+    Settings,
+    WebSettings,
+    add_arguments,
+    from_args,
+    markdown_table,
+)
 
 # LiveKit's own options of the commands its CLI runs, name -> (takes a value, help). Our parser
 # knows them so that `--help` is quick and lists the settings too, and a mistyped flag fails
@@ -94,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(b)
     w = sub.add_parser("web", help="the browser client and its LiveKit token endpoint")
     add_arguments(w, WebSettings)
+    k = sub.add_parser("keeper", help="calls get their agent back: LiveKit webhooks and job "
+                       "heartbeats, explicit dispatch")
+    add_arguments(k, KeeperSettings)
     sub.add_parser("settings", help="print the settings table (Markdown)")
     return p
 
@@ -136,6 +146,10 @@ def _main(argv: list[str] | None = None) -> int:
         from .web_client import run_web
 
         return run_web(from_args(args, WebSettings))
+    if args.command == "keeper":
+        from .keeper import run_keeper
+
+        return run_keeper(from_args(args, KeeperSettings))
     from .demo import TurnAudioError, run_demo
     from .local_services import resolve_offline
 

@@ -30,8 +30,9 @@ APOLOGY = "Sorry, I can't think right now. Please try again in a moment."
 
 
 class VoiceAgent(Agent):
-    def __init__(self, instructions: str, tools: list | None = None) -> None:
-        super().__init__(instructions=instructions, tools=tools or [])
+    def __init__(self, instructions: str, tools: list | None = None,
+                 chat_ctx: llm.ChatContext | None = None) -> None:  # fmt: skip
+        super().__init__(instructions=instructions, tools=tools or [], chat_ctx=chat_ctx)
         self.tool_calls: list[str] = []
 
     @function_tool

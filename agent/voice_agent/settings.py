@@ -266,6 +266,12 @@ class Settings(_EnvSettings):
     transfer_to: str | None = _f("TRANSFER_TO", None, "where `transfer_call` and the transfer "
                                  "digit send a phone caller (+15550100, tel:..., sip:...; unset: "
                                  "no transfers)", check=_transfer_target)
+    keeper_url: str | None = _f("KEEPER_URL", None, "the call keeper (`voice-agent keeper`): each "
+                                "job sends it heartbeats, so a call whose agent is lost gets a new "
+                                "one (unset: no heartbeats)")
+    resume_greeting: str = _f("RESUME_GREETING", "Sorry, we were cut off for a moment. I am back, "
+                              "please go on.", "what an agent says when it takes over a call whose "
+                              "agent was lost (the conversation so far comes from the room)")
     offline: bool = _f("VOICE_AGENT_OFFLINE", False, "never use the network: bundled and generated "
                        "models only (also implied by HF_HUB_OFFLINE=1)")
 
@@ -298,6 +304,29 @@ class WebSettings(_EnvSettings):
                                         "server is asked, 503 when it cannot be)")
     web_client_js: str | None = _f("WEB_CLIENT_JS", None, "path of livekit-client.umd.js (unset: "
                                    "agent/voice_agent/web/node_modules, from npm ci)")
+
+
+@dataclass
+class KeeperSettings(_EnvSettings):
+    """`voice-agent keeper`: calls get their agent back (LiveKit webhooks, job heartbeats)."""
+
+    livekit_url: str | None = _f("LIVEKIT_URL", None, "LiveKit server whose rooms are kept")
+    livekit_api_key: str | None = _f("LIVEKIT_API_KEY", None, "API key (verifies webhooks and "
+                                     "heartbeats, signs dispatches)")
+    livekit_api_secret: str | None = _f("LIVEKIT_API_SECRET", None, "API secret (environment or "
+                                        ".env only)", flag=False)
+    keeper_host: str = _f("KEEPER_HOST", "127.0.0.1", "address the keeper binds (LiveKit's "
+                          "webhooks and the workers' heartbeats must reach it)")
+    keeper_port: int = _f("KEEPER_PORT", 8400, "port of the keeper", check=_port)
+    keeper_heartbeat_timeout: float = _f("KEEPER_HEARTBEAT_TIMEOUT", 3.0, "seconds without a job's "
+                                         "heartbeat before its call counts as lost (jobs beat "
+                                         "every second)", check=_positive)
+    keeper_dispatch_wait: float = _f("KEEPER_DISPATCH_WAIT", 5.0, "seconds a room with a caller "
+                                     "may wait for an agent before the keeper dispatches one "
+                                     "(and again every as many seconds until one joins)",
+                                     check=_positive)
+    agent_name: str = _f("AGENT_NAME", "", "agent name of the dispatches (empty: the workers "
+                         "without a name, as this project's are)")
 
 
 def _convert(f, raw: str):

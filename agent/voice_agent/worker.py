@@ -28,6 +28,7 @@ from livekit.plugins.qwen3_tts import EngineLoad
 from .local_services import LocalService, ensure_llm, ensure_tts_engine, resolve_offline
 from .observability import TurnMetrics, tracer_provider_from_env
 from .pipeline import VoiceAgent, build_session, build_stt, build_vad
+from .recovery import CallRecord, chat_context
 from .settings import Settings, parse_dtmf_actions
 from .telephony import PhoneCall, PhoneCaller
 
@@ -181,14 +182,21 @@ async def entrypoint(ctx: JobContext) -> None:
         tools = [EndCallTool(), *call.tools()]
         logger.info("phone call %s from %r (trunk %r)", caller.call_id, caller.phone_number,
                     caller.trunk_phone_number)  # fmt: skip
-    await session.start(agent=VoiceAgent(instructions, tools), room=ctx.room,
+    record = CallRecord(ctx, session, keeper_url=settings.keeper_url)  # history in the room; heartbeats
+    await session.start(agent=VoiceAgent(instructions, tools, chat_context(record.resumed)), room=ctx.room,
                         room_options=RoomOptions(participant_identity=participant.identity))  # fmt: skip
+    record.start()
+    ctx.add_shutdown_callback(record.aclose)
     if settings.worker_tag:  # which worker (host) serves this call, for operators and tests
         await ctx.room.local_participant.set_attributes({"worker": settings.worker_tag})
+    if record.resumed:  # this job takes over a call whose agent was lost
+        logger.info("resuming a call with %d messages from the room", len(record.resumed))
+        if settings.resume_greeting:
+            session.say(settings.resume_greeting)
     if call is not None:
         call.start()
         ctx.add_shutdown_callback(lambda *_: _aclose(call))
-        if settings.phone_greeting:
+        if settings.phone_greeting and not record.resumed:
             session.say(caller.greeting(settings.phone_greeting))
 
 

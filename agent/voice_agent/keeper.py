@@ -1,0 +1,259 @@
+"""`voice-agent keeper`: calls get their agent back.
+
+LiveKit dispatches a room to a worker once. When that worker is killed or its host is lost, the
+agent participant lingers until the server's ping timeout (about 15-20 s) and the room is never
+dispatched again; a room created while every worker reports full never gets an agent either.
+The keeper closes both gaps with LiveKit's own mechanisms:
+
+- every job posts a heartbeat (`POST /v1/heartbeat`, a LiveKit access token as the credential)
+  about once a second; a job whose heartbeats stop for `heartbeat_timeout` is lost: its agent
+  participant is removed (RoomService.RemoveParticipant) and, if a caller is still in the room,
+  a new agent is dispatched explicitly (AgentDispatchService.CreateDispatch) to a surviving worker;
+- server webhooks (`POST /webhook`, signed by LiveKit): `room_started` puts a room on watch (a room
+  that has a caller and no agent after `dispatch_wait` gets an explicit dispatch, retried until an
+  agent comes), `participant_left` of an agent while a caller stays triggers a dispatch at once,
+  `room_finished` forgets the room.
+
+The new agent picks the conversation up from the room's metadata, where each job keeps the last
+turns (`agent/voice_agent/recovery.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from livekit import api
+from livekit.protocol.models import ParticipantInfo
+
+logger = logging.getLogger("voice_agent.keeper")
+CALLER_KINDS = (ParticipantInfo.Kind.STANDARD, ParticipantInfo.Kind.SIP)
+MAX_BODY = 64 * 1024
+JOIN_WAIT = 20.0  # seconds an assigned dispatch has for its agent to join (a process may start)
+
+
+@dataclass
+class Recovery:
+    room: str
+    reason: str
+    lost_agent: str | None
+    at: float  # time.monotonic() of the decision
+    dispatch_id: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class RoomWatch:
+    started: float
+    agents: dict[str, float] = field(default_factory=dict)  # identity -> last heartbeat
+    ended: set[str] = field(default_factory=set)  # agents that said goodbye (job ended normally)
+    last_dispatch: float | None = None
+    dispatch_id: str | None = None  # ours, not yet answered by an agent joining
+
+
+class CallKeeper:
+    def __init__(self, url: str, api_key: str, api_secret: str, *, agent_name: str = "",
+                 heartbeat_timeout: float = 3.0, dispatch_wait: float = 5.0, tick: float = 0.5) -> None:  # fmt: skip
+        self.url, self.api_key, self.api_secret = url, api_key, api_secret
+        self.agent_name = agent_name
+        self.heartbeat_timeout, self.dispatch_wait, self.tick_s = heartbeat_timeout, dispatch_wait, tick
+        self.rooms: dict[str, RoomWatch] = {}
+        self.recoveries: list[Recovery] = []
+        self._verifier = api.TokenVerifier(api_key, api_secret)
+        self._webhooks = api.WebhookReceiver(self._verifier)
+        self._lk: api.LiveKitAPI | None = None
+        self._task: asyncio.Task | None = None
+        self._busy: set[str] = set()  # rooms with a decision in flight
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._lk = api.LiveKitAPI(self.url.replace("ws", "http", 1), self.api_key, self.api_secret)
+        self._task = asyncio.create_task(self._loop(), name="keeper-loop")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._lk is not None:
+            await self._lk.aclose()
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_post("/webhook", self._on_webhook)
+        app.router.add_post("/v1/heartbeat", self._on_heartbeat)
+        app.router.add_get("/v1/status", self._on_status)
+        app.router.add_get("/", lambda _: web.Response(text="OK"))
+
+        async def started(_app) -> None:
+            await self.start()
+
+        async def stopped(_app) -> None:
+            await self.stop()
+
+        app.on_startup.append(started)
+        app.on_cleanup.append(stopped)
+        return app
+
+    # -- inputs -------------------------------------------------------------------------------
+
+    async def _on_webhook(self, request: web.Request) -> web.Response:
+        body = await request.text()
+        try:
+            event = self._webhooks.receive(body, request.headers.get("Authorization", ""))
+        except Exception as e:  # bad signature, body hash, JSON
+            return web.json_response({"error": f"not a LiveKit webhook: {e}"}, status=401)
+        now = time.monotonic()
+        room = event.room.name
+        if event.event == "room_started":
+            self.rooms.setdefault(room, RoomWatch(started=now))
+        elif event.event == "room_finished":
+            self.rooms.pop(room, None)
+        elif event.event == "participant_joined" and event.participant.kind == ParticipantInfo.Kind.AGENT:
+            watch = self.rooms.setdefault(room, RoomWatch(started=now))
+            watch.agents.setdefault(event.participant.identity, now)
+            watch.dispatch_id = None
+        elif event.event == "participant_left" and event.participant.kind == ParticipantInfo.Kind.AGENT:
+            watch = self.rooms.get(room)
+            identity = event.participant.identity
+            if watch is not None and identity in watch.agents and identity not in watch.ended:
+                del watch.agents[identity]  # left without saying goodbye: a crash, or a removal
+                self._decide(room, f"agent {identity} left the room", identity)
+            elif watch is not None:
+                watch.agents.pop(identity, None)
+        return web.Response(text="ok")
+
+    async def _on_heartbeat(self, request: web.Request) -> web.Response:
+        token = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        try:
+            claims = self._verifier.verify(token)
+            body = await request.json()
+            room, identity = str(body["room"]), str(body["identity"])
+        except Exception as e:
+            return web.json_response({"error": f"bad heartbeat: {e}"}, status=401 if not token else 400)
+        if claims.video is None or claims.video.room != room or claims.identity != identity:
+            return web.json_response({"error": "the token is not for this room and agent"}, status=403)
+        now = time.monotonic()
+        watch = self.rooms.setdefault(room, RoomWatch(started=now))
+        if body.get("state") == "ended":
+            watch.ended.add(identity)
+            watch.agents.pop(identity, None)
+        else:
+            watch.agents[identity] = now
+            watch.dispatch_id = None
+        return web.Response(text="ok")
+
+    async def _on_status(self, _request: web.Request) -> web.Response:
+        now = time.monotonic()
+        return web.json_response({
+            "rooms": {name: {"agents": {a: round(now - t, 2) for a, t in w.agents.items()},
+                             "age_s": round(now - w.started, 2)} for name, w in self.rooms.items()},
+            "recoveries": [{"room": r.room, "reason": r.reason, "lost_agent": r.lost_agent,
+                            "ago_s": round(now - r.at, 2), "dispatch_id": r.dispatch_id,
+                            "error": r.error} for r in self.recoveries[-50:]],
+        })  # fmt: skip
+
+    # -- decisions ----------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.tick_s)
+            try:
+                self.check(time.monotonic())
+            except Exception:
+                logger.exception("keeper check failed")
+
+    def check(self, now: float) -> None:
+        for name, watch in list(self.rooms.items()):
+            for identity, beat in list(watch.agents.items()):
+                if now - beat > self.heartbeat_timeout:
+                    del watch.agents[identity]
+                    self._decide(name, f"no heartbeat from {identity} for {now - beat:.1f}s", identity)
+            waited = now - max(watch.started, watch.last_dispatch or watch.started)
+            if not watch.agents and waited > self.dispatch_wait:
+                self._decide(name, f"no agent after {waited:.1f}s", None)
+
+    def _decide(self, room: str, reason: str, lost: str | None) -> None:
+        if room in self._busy:
+            return
+        self._busy.add(room)
+        watch = self.rooms.setdefault(room, RoomWatch(started=time.monotonic()))
+        watch.last_dispatch = time.monotonic()  # also paces retries when nobody is there
+        task = asyncio.create_task(self._recover(room, reason, lost))
+        task.add_done_callback(lambda _t: self._busy.discard(room))
+
+    async def _recover(self, room: str, reason: str, lost: str | None) -> None:
+        """Remove the lost agent (if any); dispatch a new one if a caller is still there."""
+        assert self._lk is not None
+        if lost is not None:
+            try:
+                await self._lk.room.remove_participant(api.RoomParticipantIdentity(room=room, identity=lost))
+            except api.TwirpError as e:  # already gone
+                logger.debug("remove %s from %s: %s", lost, room, e)
+        try:
+            people = (await self._lk.room.list_participants(api.ListParticipantsRequest(room=room))).participants
+        except api.TwirpError as e:
+            if e.code == api.TwirpErrorCode.NOT_FOUND:
+                self.rooms.pop(room, None)
+                return
+            raise
+        callers = [p for p in people if p.kind in CALLER_KINDS]
+        agents = [p for p in people if p.kind == ParticipantInfo.Kind.AGENT and p.identity != lost]
+        if not callers:
+            if not agents:
+                self.rooms.pop(room, None)  # nobody waits: LiveKit closes the room by itself
+            return
+        if agents:
+            return  # another agent is there already
+        watch = self.rooms.get(room)
+        if watch is not None and watch.dispatch_id is not None and not await self._retire(room, watch.dispatch_id):
+            return  # our last dispatch was given to a worker: its agent is on the way
+        recovery = Recovery(room, reason, lost, time.monotonic())
+        self.recoveries.append(recovery)
+        try:
+            dispatch = await self._lk.agent_dispatch.create_dispatch(api.CreateAgentDispatchRequest(
+                agent_name=self.agent_name, room=room, metadata=json.dumps({"resume": True, "reason": reason})))
+            recovery.dispatch_id = dispatch.id
+            if watch is not None:
+                watch.dispatch_id = dispatch.id
+            logger.warning("room %s: %s; dispatched a new agent (%s)", room, reason, dispatch.id)
+        except Exception as e:
+            recovery.error = f"{type(e).__name__}: {e}"
+            logger.error("room %s: %s; dispatch failed: %s", room, reason, recovery.error)
+
+    async def _retire(self, room: str, dispatch_id: str) -> bool:
+        """Our earlier dispatch: True when it may be replaced (no worker took it: it is deleted, so
+        that it cannot add a second agent later); False while a worker's job is on its way
+        (for up to JOIN_WAIT after it was assigned)."""
+        assert self._lk is not None
+        try:
+            dispatch = await self._lk.agent_dispatch.get_dispatch(dispatch_id, room)
+        except api.TwirpError:
+            return True
+        if dispatch is None:
+            return True
+        jobs = list(dispatch.state.jobs)
+        if jobs and time.time() - max(j.state.updated_at or j.state.started_at for j in jobs) / 1e9 < JOIN_WAIT:
+            return False
+        try:
+            await self._lk.agent_dispatch.delete_dispatch(dispatch_id, room)
+        except api.TwirpError as e:
+            logger.debug("delete dispatch %s: %s", dispatch_id, e)
+        return True
+
+
+def run_keeper(settings) -> int:
+    """`voice-agent keeper` (blocks until Ctrl-C / SIGTERM)."""
+    if not (settings.livekit_url and settings.livekit_api_key and settings.livekit_api_secret):
+        raise SystemExit("voice-agent keeper: LIVEKIT_URL, LIVEKIT_API_KEY and LIVEKIT_API_SECRET are required")
+    keeper = CallKeeper(settings.livekit_url, settings.livekit_api_key, settings.livekit_api_secret,
+                        agent_name=settings.agent_name, heartbeat_timeout=settings.keeper_heartbeat_timeout,
+                        dispatch_wait=settings.keeper_dispatch_wait)  # fmt: skip
+    print(f"voice-agent keeper on http://{settings.keeper_host}:{settings.keeper_port} "
+          "(POST /webhook for LiveKit, /v1/heartbeat for jobs; GET /v1/status)", flush=True)
+    web.run_app(keeper.app(), host=settings.keeper_host, port=settings.keeper_port, print=None)
+    return 0

@@ -1,0 +1,129 @@
+"""A job's side of call recovery (see keeper.py): heartbeats to the keeper, and the conversation
+kept in the room's metadata so that an agent dispatched after a crash picks it up.
+
+The room's metadata is the one place that outlives the agent and that the next agent reads on
+joining without another service: `{"voice_agent": {"history": [{"role", "text"}, ...]}}`, the
+last HISTORY_TURNS messages, each cut to HISTORY_CHARS (LiveKit caps metadata at 64 KiB).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+
+import httpx
+from livekit import api
+from livekit.agents import JobContext, llm
+
+logger = logging.getLogger("voice_agent")
+KEY = "voice_agent"
+HISTORY_TURNS = 12
+HISTORY_CHARS = 600
+HEARTBEAT_S = 1.0
+
+
+def history_from_metadata(metadata: str | None) -> list[dict]:
+    """The conversation a previous agent left in the room's metadata ([] if none or unreadable)."""
+    try:
+        history = json.loads(metadata or "{}").get(KEY, {}).get("history", [])
+    except (ValueError, AttributeError):
+        return []
+    return [h for h in history if isinstance(h, dict) and h.get("role") in ("user", "assistant")
+            and isinstance(h.get("text"), str)]  # fmt: skip
+
+
+def metadata_with_history(metadata: str | None, history: list[dict]) -> str:
+    """The room's metadata with our history replaced (other keys are kept)."""
+    try:
+        data = json.loads(metadata or "{}")
+        data = data if isinstance(data, dict) else {"metadata": data}
+    except ValueError:
+        data = {"metadata": metadata}
+    data[KEY] = {"history": [{"role": h["role"], "text": h["text"][:HISTORY_CHARS]}
+                             for h in history[-HISTORY_TURNS:]]}  # fmt: skip
+    return json.dumps(data, ensure_ascii=False)
+
+
+def chat_context(history: list[dict]) -> llm.ChatContext:
+    ctx = llm.ChatContext.empty()
+    for h in history:
+        ctx.add_message(role=h["role"], content=h["text"])
+    return ctx
+
+
+class CallRecord:
+    """Keeps the session's conversation in the room's metadata, and (with a keeper) sends the
+    job's heartbeats. `resumed`: the previous agent's history, when this job continues a call."""
+
+    def __init__(self, ctx: JobContext, session, *, keeper_url: str | None) -> None:
+        self.ctx, self.session, self.keeper_url = ctx, session, keeper_url
+        self.resumed = history_from_metadata(ctx.room.metadata)
+        self.history = list(self.resumed)
+        self._write: asyncio.Task | None = None
+        self._dirty = False
+        self._beats: asyncio.Task | None = None
+
+    def start(self) -> CallRecord:
+        self.session.on("conversation_item_added", self._on_item)
+        if self.keeper_url:
+            self._beats = asyncio.create_task(self._heartbeats(), name="keeper-heartbeat")
+        return self
+
+    async def aclose(self) -> None:
+        """The job ends normally: the keeper is told (so it does not recover the call)."""
+        if self._beats is not None:
+            self._beats.cancel()
+            await asyncio.gather(self._beats, return_exceptions=True)
+            await self._beat(state="ended")
+        if self._write is not None:
+            await asyncio.gather(self._write, return_exceptions=True)
+
+    def _on_item(self, ev) -> None:
+        item = ev.item
+        text = getattr(item, "text_content", None)
+        if getattr(item, "type", None) != "message" or item.role not in ("user", "assistant") or not text:
+            return
+        self.history.append({"role": item.role, "text": text})
+        self._dirty = True
+        if self._write is None or self._write.done():
+            self._write = asyncio.create_task(self._store())
+
+    async def _store(self) -> None:
+        while self._dirty:  # one writer; the latest history wins
+            self._dirty = False
+            metadata = metadata_with_history(self.ctx.room.metadata, self.history)
+            try:
+                await self.ctx.api.room.update_room_metadata(
+                    api.UpdateRoomMetadataRequest(room=self.ctx.room.name, metadata=metadata))
+            except Exception as e:  # the call goes on without a record
+                logger.warning("could not store the conversation in the room's metadata: %s", e)
+
+    def _token(self) -> str:
+        """A short-lived LiveKit token naming this room and agent: the keeper's credential (the
+        worker exports LIVEKIT_API_KEY / LIVEKIT_API_SECRET to its jobs)."""
+        identity = self.ctx.room.local_participant.identity
+        return (api.AccessToken().with_identity(identity).with_ttl(datetime.timedelta(minutes=1))
+                .with_grants(api.VideoGrants(room=self.ctx.room.name)).to_jwt())  # fmt: skip
+
+    async def _beat(self, state: str = "alive", client: httpx.AsyncClient | None = None) -> None:
+        body = {"room": self.ctx.room.name, "identity": self.ctx.room.local_participant.identity,
+                "state": state}  # fmt: skip
+        headers = {"Authorization": f"Bearer {self._token()}"}
+        url = f"{self.keeper_url.rstrip('/')}/v1/heartbeat"
+        try:
+            if client is None:
+                async with httpx.AsyncClient(timeout=2) as c:
+                    await c.post(url, json=body, headers=headers)
+            else:
+                await client.post(url, json=body, headers=headers)
+        except httpx.HTTPError as e:
+            logger.debug("heartbeat to %s: %s", url, e)
+
+    async def _heartbeats(self) -> None:
+        async with httpx.AsyncClient(timeout=2) as client:
+            while True:
+                await self._beat(client=client)
+                await asyncio.sleep(HEARTBEAT_S)
+
