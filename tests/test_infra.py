@@ -38,7 +38,7 @@ INFRA = REPO / "infra"
 EXPECTED = [
     "README.md", "compose.yaml", "livekit/livekit.yaml", "sip/sip.yaml", "sip/README.md",
     "sip/inbound-trunk.json", "sip/dispatch-rule.json", "docker/agent.Dockerfile",
-    "k8s/agent-worker.yaml", "k8s/tts-engine.yaml", "k8s/kustomization.yaml",
+    "k8s/agent-worker.yaml", "k8s/tts-engine.yaml", "k8s/call-keeper.yaml", "k8s/kustomization.yaml",
 ]  # fmt: skip
 
 # Real Qwen3-TTS 0.6B weight bytes per variant (README: Memory-pressure governor;
@@ -465,9 +465,16 @@ def test_compose_livekit_sip_and_redis(compose):
     (sip,) = load_yaml("sip/sip.yaml")
     livekit = services["livekit"]
     mounts = dict(v.split(":")[:2] for v in livekit["volumes"])
-    config_path = livekit["command"][livekit["command"].index("--config") + 1]
-    assert mounts["./livekit/livekit.yaml"] == config_path
-    assert "LIVEKIT_KEYS" in env_of(livekit)
+    # the server starts on livekit.yaml plus the keeper's webhook, signed with the API key
+    (script,) = livekit["command"]
+    assert f"cp {mounts['./livekit/livekit.yaml']} /tmp/livekit.yaml" in script
+    assert "--config /tmp/livekit.yaml" in script and "$$LIVEKIT_API_KEY" in script
+    keeper = services["keeper"]
+    published = {p.rsplit(":", 1)[0] for p in keeper["ports"]}
+    assert "127.0.0.1:8400" in published and "http://127.0.0.1:8400/webhook" in script
+    assert keeper["command"] == ["voice-agent", "keeper"] and env_of(keeper)["KEEPER_PORT"] == "8400"
+    assert env_of(services["agent"])["KEEPER_URL"] == "http://keeper:8400"
+    assert "LIVEKIT_KEYS" in env_of(livekit) and env_of(livekit)["LIVEKIT_API_KEY"].startswith("${")
     bridge_env = env_of(services["sip"])
     mounts = dict(v.split(":")[:2] for v in services["sip"]["volumes"])
     assert mounts["./sip/sip.yaml"] == bridge_env["SIP_CONFIG_FILE"]
@@ -485,7 +492,7 @@ def test_compose_livekit_sip_and_redis(compose):
 
 def k8s_objects() -> dict[tuple[str, str], dict]:
     objs = {}
-    for rel in ("k8s/agent-worker.yaml", "k8s/tts-engine.yaml"):
+    for rel in ("k8s/agent-worker.yaml", "k8s/tts-engine.yaml", "k8s/call-keeper.yaml"):
         for doc in load_yaml(rel):
             assert {"apiVersion", "kind", "metadata"} <= set(doc), (rel, doc.get("kind"))
             assert doc["metadata"]["name"], rel
@@ -520,6 +527,18 @@ def test_k8s_object_shapes():
             assert obj["spec"]["selector"].items() <= labels.items()
             names = {p["name"] for p in container(objs, name)["ports"]}
             assert all(p["targetPort"] in names for p in obj["spec"]["ports"])
+
+
+def test_k8s_workers_send_heartbeats_to_the_call_keeper():
+    objs = k8s_objects()
+    url = urlparse(objs[("ConfigMap", "agent-worker")]["data"]["KEEPER_URL"])
+    service = objs[("Service", url.hostname)]
+    assert url.port in {p["port"] for p in service["spec"]["ports"]}
+    keeper = container(objs, url.hostname)
+    env = {e["name"]: e.get("value") for e in keeper["env"]}
+    assert keeper["args"] == ["voice-agent", "keeper"] and env["KEEPER_HOST"] == "0.0.0.0"
+    assert int(env["KEEPER_PORT"]) in {p["containerPort"] for p in keeper["ports"]}
+    assert {"secretRef": {"name": "livekit-credentials"}} in keeper["envFrom"]
 
 
 def test_k8s_tts_engine_probes_metrics_and_memory():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from voice_agent.cli import build_parser
-from voice_agent.settings import Settings, WebSettings, from_args, markdown_table
+from voice_agent.settings import KeeperSettings, Settings, WebSettings, from_args, markdown_table
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -82,7 +82,7 @@ def test_bad_values_are_one_line_errors(clean_env):
         _cli("demo")
 
 
-@pytest.mark.parametrize("cls", [Settings, WebSettings])
+@pytest.mark.parametrize("cls", [Settings, WebSettings, KeeperSettings])
 def test_readme_tables_are_the_generated_ones(cls):
     """Regenerate each table from the dataclass metadata: a setting added, renamed or changed
     without updating the README fails here (`voice-agent settings` prints the agent's table)."""

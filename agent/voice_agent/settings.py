@@ -310,11 +310,6 @@ class WebSettings(_EnvSettings):
 class KeeperSettings(_EnvSettings):
     """`voice-agent keeper`: calls get their agent back (LiveKit webhooks, job heartbeats)."""
 
-    livekit_url: str | None = _f("LIVEKIT_URL", None, "LiveKit server whose rooms are kept")
-    livekit_api_key: str | None = _f("LIVEKIT_API_KEY", None, "API key (verifies webhooks and "
-                                     "heartbeats, signs dispatches)")
-    livekit_api_secret: str | None = _f("LIVEKIT_API_SECRET", None, "API secret (environment or "
-                                        ".env only)", flag=False)
     keeper_host: str = _f("KEEPER_HOST", "127.0.0.1", "address the keeper binds (LiveKit's "
                           "webhooks and the workers' heartbeats must reach it)")
     keeper_port: int = _f("KEEPER_PORT", 8400, "port of the keeper", check=_port)
@@ -327,6 +322,11 @@ class KeeperSettings(_EnvSettings):
                                      check=_positive)
     agent_name: str = _f("AGENT_NAME", "", "agent name of the dispatches (empty: the workers "
                          "without a name, as this project's are)")
+    livekit_url: str | None = _f("LIVEKIT_URL", None, "LiveKit server whose rooms are kept")
+    livekit_api_key: str | None = _f("LIVEKIT_API_KEY", None, "API key (verifies webhooks and "
+                                     "heartbeats, signs dispatches)")
+    livekit_api_secret: str | None = _f("LIVEKIT_API_SECRET", None, "API secret (environment or "
+                                        ".env only)", flag=False)
 
 
 def _convert(f, raw: str):
