@@ -66,3 +66,31 @@ def bundled_path():
         return faster_whisper.bundled_tiny_en_path()
     except faster_whisper.ModelLoadError as e:
         pytest.skip(str(e))
+
+
+# pytest's own tasks, and those of loopback servers a test runs, are not the code under test: a
+# server's connection handlers may outlive a request by a moment (aiohttp), or live as long as
+# the server fixture (the engine).
+_NOT_OURS = ("/_pytest/", "/pytest_asyncio/", "/aiohttp/web_protocol.py", "/qwen3_tts_engine/",
+             "/tests/tcp_proxy.py")  # fmt: skip
+
+
+@pytest.fixture
+async def fail_on_leaked_tasks():
+    """Fail a test that leaves an asyncio task of its own running, as LiveKit's own conftest does
+    (`pytestmark = pytest.mark.usefixtures("fail_on_leaked_tasks")`). A task gets 2 s to end."""
+    import asyncio
+
+    def ours(task: asyncio.Task) -> bool:
+        code = getattr(task.get_coro(), "cr_code", None)
+        where = code.co_filename.replace("\\", "/") if code else ""
+        return not any(s in where for s in _NOT_OURS)
+
+    before = asyncio.all_tasks()
+    yield
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 2.0
+    while leaked := [t for t in asyncio.all_tasks() - before if not t.done() and ours(t)]:
+        if loop.time() > deadline:
+            pytest.fail("test leaked asyncio tasks:\n" + "\n".join(map(repr, leaked)))
+        await asyncio.sleep(0.05)

@@ -27,6 +27,8 @@ from livekit.plugins.faster_whisper import stt as stt_module
 from livekit.plugins.faster_whisper.agreement import StreamingOptions, UtteranceTracker, Word
 from voice_agent.speech_assets import pad_silence, speech_samples
 
+pytestmark = pytest.mark.usefixtures("fail_on_leaked_tasks")  # no task of the plugin outlives a test
+
 needs_speech = pytest.mark.skipif(
     shutil.which("espeak-ng") is None or shutil.which("sox") is None,
     reason="needs espeak-ng and sox (apt-get install espeak-ng sox)",

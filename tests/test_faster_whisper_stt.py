@@ -5,6 +5,7 @@ Also the model resolution, the per-process model cache, and the offline error me
 
 from __future__ import annotations
 
+import asyncio
 import re
 import shutil
 import sys
@@ -16,7 +17,7 @@ import huggingface_hub.constants
 import numpy as np
 import pytest
 from livekit import rtc
-from livekit.agents import APIError, metrics
+from livekit.agents import APIConnectOptions, APIError, APITimeoutError, metrics
 from livekit.agents import stt as lk_stt
 from livekit.plugins import faster_whisper, silero
 
@@ -24,10 +25,13 @@ from livekit.plugins.faster_whisper import models
 from livekit.plugins.faster_whisper.stt import to_whisper_audio
 from voice_agent.speech_assets import pad_silence, speech_samples
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("espeak-ng") is None or shutil.which("sox") is None,
-    reason="needs espeak-ng and sox (apt-get install espeak-ng sox)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        shutil.which("espeak-ng") is None or shutil.which("sox") is None,
+        reason="needs espeak-ng and sox (apt-get install espeak-ng sox)",
+    ),
+    pytest.mark.usefixtures("fail_on_leaked_tasks"),
+]
 
 ROOM_RATE = 48000
 BOOKING = "Please book a table for four people tomorrow"
@@ -270,3 +274,113 @@ def test_invalid_options_are_rejected_at_once():
         stt.update_options(cpu_threads=-1)
     stt.update_options(language="de", beam_size=2)
     assert stt._opts.language == "de" and stt._opts.beam_size == 2
+
+
+# -- conn_options.timeout and aclose (LiveKit's plugin contract) -------------------------------
+
+
+class HeldTranscription:
+    """Stands in for `_transcribe`: runs until the plugin sets its stop flag (or 60 s pass)."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.stopped = threading.Event()
+
+    def __call__(self, buffer, opts, stop):
+        self.started.set()
+        assert stop.wait(60), "never told to stop"
+        self.stopped.set()
+        return lk_stt.SpeechEvent(type=lk_stt.SpeechEventType.FINAL_TRANSCRIPT)
+
+
+def _speech_frame() -> rtc.AudioFrame:
+    silence = np.zeros(16000, dtype=np.int16)
+    return rtc.AudioFrame(silence.tobytes(), 16000, 1, len(silence))
+
+
+async def test_recognize_past_conn_timeout_raises_api_timeout_and_stops_the_decode(monkeypatch):
+    """A transcription that outlasts conn_options.timeout ends the call with APITimeoutError
+    (within timeout + 1 s; not retried: the same decode would take as long again), and the
+    decode given up on is told to stop at its next segment."""
+    from livekit.plugins.faster_whisper import stt as stt_module
+
+    held = HeldTranscription()
+    monkeypatch.setattr(stt_module, "_transcribe", held)
+    stt = faster_whisper.STT(model="bundled")
+    errors = []
+    stt.on("error", errors.append)
+    conn = APIConnectOptions(max_retry=3, timeout=0.3, retry_interval=0.0)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(APITimeoutError) as info:
+        await stt.recognize(_speech_frame(), conn_options=conn)
+    elapsed = loop.time() - start
+    print(f"recognize: APITimeoutError after {elapsed:.2f} s (timeout 0.3 s)")
+    assert elapsed <= conn.timeout + 1.0
+    assert not info.value.retryable and len(errors) == 1 and not errors[0].recoverable
+    assert await asyncio.to_thread(held.stopped.wait, 10)
+    await stt.aclose()
+
+
+def test_a_stopped_transcription_decodes_no_further_segment(whisper):
+    """The stop flag is honoured by the real decode loop: set before it starts, no segment."""
+    from livekit.plugins.faster_whisper.stt import _transcribe
+
+    speech = speech_samples(REPORT, sample_rate=16000)
+    frame = rtc.AudioFrame(speech.tobytes(), 16000, 1, len(speech))
+    stop = threading.Event()
+    stop.set()
+    assert _transcribe([frame], whisper._opts, stop).alternatives[0].text == ""
+
+
+async def test_stream_final_past_conn_timeout_raises_api_timeout(monkeypatch):
+    """Streaming: the wait for a final (the running pass, then the final pass) is bounded too."""
+    from livekit.plugins.faster_whisper import stt as stt_module
+
+    release = threading.Event()
+
+    def held_decode(model, window, opts, language):
+        assert release.wait(60), "never released"
+        return [], "en"
+
+    monkeypatch.setattr(stt_module, "_load", lambda opts: object())
+    monkeypatch.setattr(stt_module, "_decode_window", held_decode)
+    stt = faster_whisper.STT(model="bundled", streaming=True)
+    stream = stt.stream(conn_options=APIConnectOptions(max_retry=0, timeout=0.3))
+    t = np.arange(ROOM_RATE) / ROOM_RATE
+    tone = (3000 * np.sin(2 * np.pi * 220 * t)).astype(np.int16)  # voiced: an utterance starts
+    for frame in frames_of(tone, ROOM_RATE, frame_ms=20):
+        stream.push_frame(frame)
+    stream.flush()
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    try:
+        with pytest.raises(APITimeoutError):
+            async for _ in stream:
+                pass
+        assert loop.time() - start <= 0.3 + 1.0
+    finally:
+        release.set()
+        await stream.aclose()
+        await stt.aclose()
+
+
+async def test_aclose_closes_streams_stops_decodes_and_later_calls_raise(monkeypatch):
+    from livekit.plugins.faster_whisper import stt as stt_module
+
+    held = HeldTranscription()
+    monkeypatch.setattr(stt_module, "_transcribe", held)
+    monkeypatch.setattr(stt_module, "_load", lambda opts: object())
+    stt = faster_whisper.STT(model="bundled", streaming=True)
+    stream = stt.stream()
+    recognizing = asyncio.create_task(stt.recognize(_speech_frame()))
+    assert await asyncio.to_thread(held.started.wait, 10)
+
+    await stt.aclose()
+    assert await asyncio.to_thread(held.stopped.wait, 10)  # the decode in flight was stopped
+    assert stream._task.done()  # the open stream was closed
+    await recognizing  # it ends (with what the stopped decode had)
+    with pytest.raises(RuntimeError, match="closed"):
+        await stt.recognize(_speech_frame())
+    with pytest.raises(RuntimeError, match="closed"):
+        stt.stream()

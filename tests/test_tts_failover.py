@@ -21,8 +21,9 @@ from livekit.plugins import qwen3_tts
 from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES
 
 from .engine_process import EngineProcess, free_port
-from .tts_audio import stream_text, synthesize
+from .tts_audio import pcm, stream_text, synthesize
 
+pytestmark = pytest.mark.usefixtures("fail_on_leaked_tasks")
 SENTENCES = ["The first sentence is here.", "Then comes the second one."]
 # Ignoring conn_options would leave a stalled request to this client default: far past any wait
 # below, so a test that needs conn_options.timeout fails instead of passing slowly.
@@ -215,27 +216,88 @@ async def test_sentence_queued_behind_a_long_one_is_not_a_stall(pair):
         await tts.aclose()
 
 
+@pytest.mark.parametrize("streamed", [False, True], ids=["synthesize", "stream"])
 @pytest.mark.parametrize(
     ("fault", "error"),
     [("500", APIStatusError), ("503", APIStatusError), ("cut", APIConnectionError),
      ("short", APIConnectionError), ("stall_head", APITimeoutError), ("stall_body", APITimeoutError)],
 )  # fmt: skip
-async def test_last_endpoint_fault_raises_the_livekit_error(pair, fault, error):
+async def test_last_endpoint_fault_raises_the_livekit_error(pair, fault, error, streamed):
     """With nowhere left to fail over, the fault surfaces as the exception LiveKit retries or
-    falls back on; a stall ends after conn_options.timeout, not the client's 300 s."""
+    falls back on, from synthesize() and stream() alike; a stall ends within
+    conn_options.timeout + 1 s (of the call; mid-audio: of the last byte), not the client's 300 s."""
     x, _ = pair
     x.fault = fault
     tts = _tts([x.url])
     conn = APIConnectOptions(max_retry=0, timeout=0.5)
+    loop = asyncio.get_running_loop()
+    last_audio = [loop.time()]
+
+    async def heard(samples):
+        last_audio.append(loop.time())
+
     try:
         with pytest.raises(error) as e:
-            await asyncio.wait_for(
-                synthesize(tts, "Nobody can say this.", conn_options=conn), WAIT
-            )
+            if streamed:
+                await asyncio.wait_for(stream_text(tts, ["Nobody can say this."],
+                                                   conn_options=conn, on_audio=heard), WAIT)  # fmt: skip
+            else:
+                await asyncio.wait_for(
+                    synthesize(tts, "Nobody can say this.", conn_options=conn), WAIT
+                )
         if error is APIStatusError:
             assert e.value.status_code == int(fault) and e.value.retryable
+        if error is APITimeoutError:
+            assert loop.time() - last_audio[-1] <= conn.timeout + 1.0
     finally:
         await tts.aclose()
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["synthesize", "stream"])
+async def test_retries_and_failover_add_up_not_multiply(pair, streamed):
+    """Two stalled endpoints and max_retry=3: the first attempt fails over from x to y, each of
+    LiveKit's three retries is one more try (on the endpoint that failed longest ago): 2 + 3
+    requests, not 2 x 4, and 4 error events, as LiveKit's base classes count attempts."""
+    x, y = pair
+    x.fault = y.fault = "stall_head"
+    tts = _tts([x.url, y.url])
+    errors = []
+    tts.on("error", errors.append)
+    conn = APIConnectOptions(max_retry=3, timeout=0.3, retry_interval=0.0)
+    try:
+        with pytest.raises(APITimeoutError):
+            if streamed:
+                await asyncio.wait_for(stream_text(tts, SENTENCES[:1], conn_options=conn), WAIT)
+            else:
+                await asyncio.wait_for(synthesize(tts, SENTENCES[0], conn_options=conn), WAIT)
+    finally:
+        await tts.aclose()
+    assert len(x.seen) + len(y.seen) == 2 + 3, (len(x.seen), len(y.seen))
+    assert (len(x.seen), len(y.seen)) == (3, 2)  # x, y, then x, y, x: the longest failed first
+    assert [e.recoverable for e in errors] == [True, True, True, False]
+
+
+async def test_a_retry_fails_over_again_once_its_audio_has_played(pair):
+    """Both endpoints fail (503) and LiveKit retries: the retry tries one endpoint, x (failed
+    longest ago), which now cuts off mid-audio; with audio played, the sentence continues on y,
+    sample-exact, instead of failing the retry."""
+    x, y = pair
+    x.fault = y.fault = "503"
+    tts = _tts([x.url, y.url])
+
+    def on_error(_):  # between the attempts: x now cuts mid-audio, y is fine
+        x.fault, y.fault = "cut", None
+
+    tts.on("error", on_error)
+    conn = APIConnectOptions(max_retry=1, timeout=1.0, retry_interval=0.0)
+    try:
+        stream = tts.synthesize(SENTENCES[0], conn_options=conn)
+        audio = np.concatenate([d async for ev in stream if (d := pcm(ev)) is not None])
+    finally:
+        await tts.aclose()
+    assert stream.attempts == 2 and stream.report.endpoints == [x.url, y.url]
+    assert stream.report.skipped_bytes == x.cut_after
+    np.testing.assert_array_equal(audio, _pcm(SENTENCES[0], stream.report.seed))
 
 
 @pytest.mark.parametrize("fault", ["stall_head", "503"])
@@ -250,10 +312,19 @@ async def test_fallback_adapter_moves_to_backup_within_conn_timeout(pair, fault)
     changes = []
     adapter.on("tts_availability_changed", changes.append)
     conn = APIConnectOptions(max_retry=0, timeout=0.5, retry_interval=0.0)
+    loop = asyncio.get_running_loop()
+    heard: list[float] = []
+
+    async def on_audio(samples):
+        heard.append(loop.time())
+
     try:
+        start = loop.time()
         _, audio = await asyncio.wait_for(
-            stream_text(adapter, SENTENCES[:1], conn_options=conn), WAIT
+            stream_text(adapter, SENTENCES[:1], conn_options=conn, on_audio=on_audio), WAIT
         )
+        print(f"{fault}: the backup's first audio {heard[0] - start:.2f} s after the request")
+        assert heard[0] - start <= 2.0  # the issue's bound, with timeout 0.5 s
         assert x.inputs()[:1] == SENTENCES[:1] and y.inputs() == SENTENCES[:1]
         np.testing.assert_array_equal(audio, _pcm(SENTENCES[0], y.seen[0]["seed"]))
         assert [(c.tts, c.available) for c in changes] == [(primary, False)]
@@ -281,6 +352,32 @@ async def test_aclose_leaves_no_probe_task(pair):
     leftover = [t for t in asyncio.all_tasks() - before
                 if not t.done() and not t.get_coro().__qualname__.startswith("RequestHandler.")]  # fmt: skip
     assert leftover == [], leftover
+
+
+async def test_aclose_ends_open_streams_and_later_calls_raise(pair):
+    """Closing the TTS while a stream plays one sentence and prefetches the next: the stream ends,
+    both requests are closed (no task of the plugin is left: the leak fixture), the HTTP client
+    is closed, and a later synthesize()/stream() says the TTS is closed."""
+    x, _ = pair
+    x.pace = 0.1  # one request at a time, ~0.7 s each: the second waits, prefetched
+    tts = _tts([x.url], prefetch=1)
+    first_audio = asyncio.Event()
+
+    async def on_audio(samples):
+        first_audio.set()
+
+    playing = asyncio.create_task(stream_text(tts, SENTENCES, on_audio=on_audio))
+    await asyncio.wait_for(first_audio.wait(), WAIT)
+    assert x.inputs() == SENTENCES  # the second sentence's request is open
+    await tts.aclose()
+    _, audio = await asyncio.wait_for(playing, WAIT)  # the stream ended, cut short
+    assert 0 < len(audio) < len(_pcm(SENTENCES[0], 0)) * 2
+    assert tts._client.is_closed
+    with pytest.raises(RuntimeError, match="closed"):
+        tts.synthesize("Too late.")
+    with pytest.raises(RuntimeError, match="closed"):
+        tts.stream()
+    await tts.aclose()  # twice is fine
 
 
 @pytest.mark.slow

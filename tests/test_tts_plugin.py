@@ -16,7 +16,7 @@ from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES
 from .engine_process import EngineProcess, free_port
 from .tts_audio import stream_text, synthesize
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fail_on_leaked_tasks")]
 FRAMES = 6  # a cap: checkpoints that never emit EOS give every sentence exactly 6
 SENTENCES = ["The first sentence is here.", "Then comes the second one.", "And the third one ends it."]
 

@@ -3,6 +3,7 @@
 Non-streaming, the framework's VAD `StreamAdapter` cuts the room audio into utterances and each
 is transcribed here whole. Streaming (`streaming=True`), `SpeechStream` transcribes the growing
 utterance while it is spoken and finishes it on the framework's flush (see `agreement.py`).
+What a turn waits for (a recognition, a stream's final) is bounded by `conn_options.timeout`.
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import weakref
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 from livekit import rtc
-from livekit.agents import APIError, stt, utils
+from livekit.agents import APIError, APITimeoutError, stt, utils
 from livekit.agents.language import LanguageCode
 from livekit.agents.telemetry import tracer
 from livekit.agents.types import (
@@ -116,6 +118,10 @@ class STT(stt.STT):
         _validate(self._opts)
         self._prewarm_lock = threading.Lock()
         self._prewarm_thread: threading.Thread | None = None
+        self._closed = False
+        self._streams: weakref.WeakSet[SpeechStream] = weakref.WeakSet()
+        # stop flags of the transcriptions running in worker threads (see `_transcribe`)
+        self._running: set[threading.Event] = set()
 
     @property
     def model(self) -> str:
@@ -164,7 +170,11 @@ class STT(stt.STT):
         _load(self._opts)
 
     def prewarm(self) -> None:
-        """Start loading the model in the background (the framework calls this on the loop)."""
+        """Start loading the model in the background (the framework calls this on the loop).
+        The model goes to the process's cache (`models.load_model`), where recognitions and
+        streams of every STT with the same settings find it."""
+        if self._closed:
+            return
         with self._prewarm_lock:
             if self._prewarm_thread is not None and self._prewarm_thread.is_alive():
                 return
@@ -186,19 +196,28 @@ class STT(stt.STT):
         language: NotGivenOr[str] = NOT_GIVEN,
         conn_options: APIConnectOptions,
     ) -> stt.SpeechEvent:
+        self._check_open()
         opts = self._opts
         if is_given(language):
             opts = replace(opts, language=language)
+        stop = threading.Event()
+        self._running.add(stop)
         try:
             # a span in LiveKit's trace of the turn (its STT base class makes none)
             with tracer.start_as_current_span("stt_request") as span:
                 span.set_attributes({"faster_whisper.model": opts.model,
                                      "faster_whisper.language": opts.language or ""})  # fmt: skip
-                event = await asyncio.to_thread(_transcribe, buffer, opts)
+                work = asyncio.to_thread(_transcribe, buffer, opts, stop)
+                try:
+                    event = await asyncio.wait_for(work, conn_options.timeout)
+                except TimeoutError:
+                    raise _timeout_error(conn_options) from None
                 if event.recognition_usage is not None:
                     span.set_attribute("faster_whisper.audio_duration_s",
                                        event.recognition_usage.audio_duration)  # fmt: skip
                 return event
+        except APIError:
+            raise
         except ModelLoadError as e:
             # retrying cannot help: the same files are missing on the next attempt
             raise APIError(str(e), retryable=False) from e
@@ -206,6 +225,22 @@ class STT(stt.STT):
             raise APIError(
                 f"faster-whisper failed: {type(e).__name__}: {e}", retryable=False
             ) from e
+        finally:
+            stop.set()  # a transcription given up on (timeout, cancel) ends at its next segment
+            self._running.discard(stop)
+
+    async def aclose(self) -> None:
+        """Close this STT's open streams and stop its transcriptions still running in worker
+        threads (each at its next segment); later calls raise RuntimeError. The model stays in
+        the process's cache, shared with other STTs and the worker's prewarm."""
+        self._closed = True
+        for stop in list(self._running):
+            stop.set()
+        await asyncio.gather(*(s.aclose() for s in list(self._streams)), return_exceptions=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this faster_whisper.STT is closed (aclose() was called)")
 
     def stream(
         self,
@@ -219,8 +254,11 @@ class STT(stt.STT):
                 "this faster-whisper STT was built with streaming=False: pass streaming=True, "
                 "or wrap it in a stt.StreamAdapter with a VAD"
             )
+        self._check_open()
         opts = replace(self._opts, language=language) if is_given(language) else self._opts
-        return SpeechStream(stt=self, opts=opts, conn_options=conn_options)
+        stream = SpeechStream(stt=self, opts=opts, conn_options=conn_options)
+        self._streams.add(stream)
+        return stream
 
 
 class SpeechStream(stt.RecognizeStream):
@@ -234,7 +272,8 @@ class SpeechStream(stt.RecognizeStream):
     finishes the utterance: FINAL_TRANSCRIPT with the whole utterance (none when no words were
     heard), END_OF_SPEECH, and RECOGNITION_USAGE for the audio received since the last one. A
     flush with no utterance reports usage only. A failed pass is raised at the next frame or
-    flush. `stats` counts the passes and the decoded audio.
+    flush. `stats` counts the passes and the decoded audio. The wait for a final (the running
+    pass, then the final pass) is bounded by `conn_options.timeout`: past it, APITimeoutError.
     """
 
     def __init__(self, *, stt: STT, opts: _STTOptions, conn_options: APIConnectOptions) -> None:
@@ -251,6 +290,11 @@ class SpeechStream(stt.RecognizeStream):
         self._span: Span | None = None
         self._unreported = 0  # samples received since the last usage report
         self.stats = StreamStats()
+        self._whisper = stt
+
+    async def aclose(self) -> None:
+        self._whisper._streams.discard(self)
+        await super().aclose()
 
     async def _run(self) -> None:
         try:
@@ -311,11 +355,14 @@ class SpeechStream(stt.RecognizeStream):
     async def _finish_utterance(self) -> None:
         self._flushing = True
         try:
-            if self._pass is not None:
-                await self._pass  # its words are committed before the final pass is cut
-            window = self._tracker.final_window()
-            words = await self._decode(window) if window is not None else []
+            async with asyncio.timeout(self._conn_options.timeout):  # the turn waits for this
+                if self._pass is not None:
+                    await self._pass  # its words are committed before the final pass is cut
+                window = self._tracker.final_window()
+                words = await self._decode(window) if window is not None else []
             result = self._tracker.finish(window, words)
+        except TimeoutError:
+            raise _timeout_error(self._conn_options) from None
         finally:
             self._flushing = False
 
@@ -457,6 +504,15 @@ def _decode_window(
     return words, info.language
 
 
+def _timeout_error(conn_options: APIConnectOptions) -> APITimeoutError:
+    # Not retryable: a local decode asked again takes as long again, and the one given up on
+    # still holds the CPU until its current segment ends.
+    return APITimeoutError(
+        f"faster-whisper took longer than conn_options.timeout ({conn_options.timeout:g} s)",
+        retryable=False,
+    )
+
+
 def _validate(opts: _STTOptions) -> None:
     if not opts.model or not opts.model.strip():
         raise ValueError("model must be a model name, hub id or local directory")
@@ -504,8 +560,10 @@ def _whisper_language(language: str | None) -> str | None:
     return LanguageCode(language).language if language else None
 
 
-def _transcribe(buffer: AudioBuffer, opts: _STTOptions) -> stt.SpeechEvent:
-    """Blocking: runs in a worker thread."""
+def _transcribe(
+    buffer: AudioBuffer, opts: _STTOptions, stop: threading.Event | None = None
+) -> stt.SpeechEvent:
+    """Blocking: runs in a worker thread; stops decoding at the next segment once `stop` is set."""
     model = _load(opts)
     audio = to_whisper_audio(buffer)
     audio_duration = len(audio) / WHISPER_SAMPLE_RATE
@@ -525,7 +583,10 @@ def _transcribe(buffer: AudioBuffer, opts: _STTOptions) -> stt.SpeechEvent:
             vad_filter=False,
             condition_on_previous_text=False,
         )
-        segments = list(seg_iter)  # decoding happens while iterating
+        for segment in seg_iter:  # decoding happens while iterating
+            if stop is not None and stop.is_set():
+                break
+            segments.append(segment)
         language, language_probability = info.language, float(info.language_probability)
 
     return stt.SpeechEvent(

@@ -1,7 +1,7 @@
 """Health-aware choice among several TTS endpoints, with failover and recovery probing.
 
-Endpoints are tried in the order given. One that fails is marked down and not used again until a
-background probe finds its `/ready` answering 200.
+Endpoints are tried in the order given. One that fails is marked down and passed over while
+another is healthy, until a background probe finds its `/ready` answering 200.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ class Endpoint:
     url: str
     healthy: bool = True
     down_since: float | None = None
+    failed_at: float | None = None  # the last failure: the longest-failed one is tried first
     last_error: str | None = None
     failures: int = 0
     requests: int = 0
@@ -43,30 +44,31 @@ class EndpointPool:
     def healthy(self) -> list[Endpoint]:
         return [e for e in self.endpoints if e.healthy]
 
-    async def choose(self, exclude: set[str] = frozenset()) -> Endpoint:
-        """The first healthy endpoint not in `exclude`; probes once if none is healthy."""
-        for ep in self.endpoints:
-            if ep.healthy and ep.url not in exclude:
+    def choose(self, exclude: set[str] = frozenset()) -> Endpoint:
+        """The first healthy endpoint not in `exclude`; if none is healthy, the one that failed
+        longest ago (a request bounded by `conn_options.timeout` is as good a probe as any)."""
+        candidates = [ep for ep in self.endpoints if ep.url not in exclude]
+        if not candidates:
+            errors = "; ".join(f"{e.url}: {e.last_error}" for e in self.endpoints)
+            raise APIConnectionError(f"no Qwen3-TTS endpoint left to try ({errors})")
+        for ep in candidates:
+            if ep.healthy:
                 return ep
-        await self.probe_all()
-        for ep in self.endpoints:
-            if ep.healthy and ep.url not in exclude:
-                return ep
-        errors = "; ".join(f"{e.url}: {e.last_error}" for e in self.endpoints)
-        raise APIConnectionError(f"no Qwen3-TTS endpoint is ready ({errors})")
+        return min(candidates, key=lambda ep: ep.failed_at or 0.0)
 
     def mark_down(self, ep: Endpoint, reason: str) -> None:
         if ep.healthy:
             logger.warning("TTS endpoint %s is down: %s", ep.url, reason)
         ep.healthy = False
-        ep.down_since = ep.down_since or time.monotonic()
+        ep.failed_at = time.monotonic()
+        ep.down_since = ep.down_since or ep.failed_at
         ep.last_error = reason
         ep.failures += 1
         if not self._closed and (self._prober is None or self._prober.done()):
             self._prober = self._spawn(self._probe_loop())
 
     def prewarm(self) -> None:
-        """Probe every endpoint in the background (a stalled one answers within the probe's 2 s)."""
+        """Probe every endpoint in the background (a stalled probe ends at the client's timeout)."""
         if not self._closed:
             self._spawn(self.probe_all())
 
@@ -78,7 +80,7 @@ class EndpointPool:
 
     async def probe(self, ep: Endpoint) -> bool:
         try:
-            r = await self._client.get(f"{ep.url}/ready", timeout=2.0)
+            r = await self._client.get(f"{ep.url}/ready")  # the client's own timeout
             ok = r.status_code == 200
         except httpx.HTTPError as e:
             ok, r = False, None

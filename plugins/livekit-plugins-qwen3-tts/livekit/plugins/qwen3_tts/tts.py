@@ -12,6 +12,8 @@ import contextlib
 import os
 import random
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -36,8 +38,9 @@ from .log import logger
 from .protocol import HEADER_VARIANT, SAMPLE_RATE, error_message, normalize_language
 
 DEFAULT_URL = "http://127.0.0.1:8880"
-# The owned HTTP client's default; each synthesis attempt is bounded by `conn_options.timeout`.
-DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+# The owned HTTP client's default, which bounds the `/ready` probes: a healthy engine answers at
+# once. Synthesis requests are bounded by `conn_options.timeout` alone.
+DEFAULT_TIMEOUT = httpx.Timeout(2.0)
 Protocol = Literal["qwen3-tts", "vllm-omni"]
 _TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
 
@@ -166,7 +169,11 @@ class TTS(tts.TTS):
         smaller first chunk: `first_clause_chunk_frames` frames (None: `first_chunk_frames`).
         Each attempt on an endpoint gets `conn_options.timeout` (LiveKit's per-request option) to
         connect and between received bytes; a stalled endpoint is failed over and marked down.
-        `timeout` is only the default of the HTTP client made here.
+        A request's first attempt fails over through the endpoints; each of LiveKit's retries
+        (`conn_options.max_retry`) is one more try on one endpoint, so at most
+        `len(base_url) + max_retry` tries are made before an error is raised.
+        `timeout` is the default of the HTTP client made here, which bounds what `conn_options`
+        does not: the `/ready` probes of endpoints (requests override it with `conn_options`).
         """
         super().__init__(
             capabilities=tts.TTSCapabilities(streaming=True),
@@ -193,6 +200,8 @@ class TTS(tts.TTS):
         )
         self._pool = EndpointPool(urls, self._client, probe_interval=probe_interval)
         self._tokenizer = tokenizer or tokenize.basic.SentenceTokenizer()
+        self._streams: weakref.WeakSet[ChunkedStream | SynthesizeStream] = weakref.WeakSet()
+        self._closed = False
 
     @property
     def model(self) -> str:
@@ -217,31 +226,50 @@ class TTS(tts.TTS):
     def synthesize(
         self, text: str, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
     ) -> ChunkedStream:
-        return ChunkedStream(tts=self, input_text=text, conn_options=conn_options)
+        self._check_open()
+        stream = ChunkedStream(tts=self, input_text=text, conn_options=conn_options)
+        self._streams.add(stream)
+        return stream
 
     def stream(
         self, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
     ) -> SynthesizeStream:
-        return SynthesizeStream(tts=self, conn_options=conn_options)
+        self._check_open()
+        stream = SynthesizeStream(tts=self, conn_options=conn_options)
+        self._streams.add(stream)
+        return stream
 
     def prewarm(self) -> None:
         self._pool.prewarm()
 
     async def aclose(self) -> None:
+        """Close every stream still open (their requests and prefetches end), stop probing and
+        close the owned HTTP client. Later `synthesize()`/`stream()` calls raise RuntimeError."""
+        if self._closed:
+            return
+        self._closed = True
+        await asyncio.gather(*(s.aclose() for s in list(self._streams)), return_exceptions=True)
         await self._pool.aclose()
         if self._owns_client:
             await self._client.aclose()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this qwen3_tts.TTS is closed (aclose() was called): make a new one")
 
     # -- one sentence, with failover ---------------------------------------------------------
 
     async def _speak(
         self, opts: _TTSOptions, report: SentenceReport, deliver, on_sent,
         conn: APIConnectOptions, ahead: asyncio.Future | None = None,
+        fail_over: Callable[[], bool] = lambda: True,
     ) -> None:  # fmt: skip
         """Stream one sentence's PCM into `deliver`, failing over between endpoints.
 
         After a failover the sentence is requested again from the next endpoint, with the same
         seed, and the bytes already delivered are skipped: nothing is played twice, nothing lost.
+        Each endpoint is tried at most once, and only while `fail_over()` allows another try
+        (a retry of LiveKit's makes one try until audio has played: see the streams' `_run`).
         `conn.timeout` bounds each attempt's connect and every wait for bytes; for a sentence
         requested ahead, the wait for its first byte counts from when `ahead` (the sentence
         queued before it) is done, since an engine synthesizes its requests one after another.
@@ -253,7 +281,7 @@ class TTS(tts.TTS):
         tried: set[str] = set()
         t0 = time.perf_counter()
         while True:
-            ep = await self._pool.choose(exclude=tried)
+            ep = self._pool.choose(exclude=tried)
             tried.add(ep.url)
             report.endpoints.append(ep.url)
             try:
@@ -261,10 +289,11 @@ class TTS(tts.TTS):
                 return
             except (httpx.TransportError, _EndpointUnavailable, _Stalled) as e:
                 self._pool.mark_down(ep, f"{type(e).__name__}: {e}")
-                if len(tried) >= len(self._pool):
+                if len(tried) >= len(self._pool) or not fail_over():
                     if isinstance(e, (httpx.TimeoutException, _Stalled)):
                         raise APITimeoutError(f"Qwen3-TTS timed out at {ep.url}: {e}") from e
-                    msg = f"every Qwen3-TTS endpoint failed; last: {ep.url}: {e}"
+                    msg = (f"Qwen3-TTS failed at {ep.url} ({len(tried)} of {len(self._pool)} "
+                           f"endpoints tried): {e}")  # fmt: skip
                     if isinstance(e, _EndpointUnavailable):
                         raise APIStatusError(msg, status_code=e.status, body=e.body) from e
                     raise APIConnectionError(msg) from e
@@ -380,13 +409,23 @@ class ChunkedStream(tts.ChunkedStream):
         self._tts: TTS = tts
         self._opts = replace(tts._opts)
         self.report = SentenceReport(input_text)
+        self.attempts = 0  # LiveKit's base class calls _run once per attempt (1 + retries)
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         output_emitter.initialize(request_id=utils.shortuuid(), sample_rate=SAMPLE_RATE,
                                   num_channels=1, mime_type="audio/pcm")  # fmt: skip
-        self.report = SentenceReport(self.input_text)
-        await self._tts._speak(self._opts, self.report, output_emitter.push, lambda: None,
-                               self._conn_options)  # fmt: skip
+        self.attempts += 1
+        first = self.attempts == 1
+        report = self.report = SentenceReport(self.input_text)
+        # A retry (LiveKit's, after every endpoint failed) is one more try, not another round
+        # of failovers; once audio has played, a cut is continued on the next endpoint.
+        await self._tts._speak(self._opts, report, output_emitter.push, lambda: None,
+                               self._conn_options,
+                               fail_over=lambda: first or report.delivered_bytes > 0)  # fmt: skip
+
+    async def aclose(self) -> None:
+        self._tts._streams.discard(self)
+        await super().aclose()
 
 
 class SynthesizeStream(tts.SynthesizeStream):
@@ -394,11 +433,24 @@ class SynthesizeStream(tts.SynthesizeStream):
         super().__init__(tts=tts, conn_options=conn_options)
         self._tts: TTS = tts
         self._opts = replace(tts._opts)
-        self.sentences: list[SentenceReport] = []
+        self.sentences: list[SentenceReport] = []  # of the last attempt
+        self.attempts = 0  # LiveKit's base class calls _run once per attempt (1 + retries)
+        self._played = False  # this attempt has pushed audio
+
+    async def aclose(self) -> None:
+        self._tts._streams.discard(self)
+        await super().aclose()
+
+    def _may_fail_over(self) -> bool:
+        """A retry makes one try per sentence until audio has played (as `ChunkedStream`)."""
+        return self.attempts == 1 or self._played
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
         output_emitter.initialize(request_id=utils.shortuuid(), sample_rate=SAMPLE_RATE,
                                   num_channels=1, mime_type="audio/pcm", stream=True)  # fmt: skip
+        self.attempts += 1
+        self._played = False
+        self.sentences = []
         segments: utils.aio.Chan[tokenize.SentenceStream] = utils.aio.Chan()
 
         async def split_input() -> None:
@@ -460,6 +512,7 @@ class SynthesizeStream(tts.SynthesizeStream):
                 _report, audio, task = item
                 while (data := await audio.get()) is not None:
                     emitter.push(data)
+                    self._played = True
                 await task  # raises the sentence's error, if any
                 slots.release()
             await launcher
@@ -472,6 +525,6 @@ class SynthesizeStream(tts.SynthesizeStream):
     ) -> None:  # fmt: skip
         try:
             await self._tts._speak(opts, report, audio.put_nowait, self._mark_started,
-                                   self._conn_options, ahead)  # fmt: skip
+                                   self._conn_options, ahead, self._may_fail_over)  # fmt: skip
         finally:
             audio.put_nowait(None)
