@@ -42,10 +42,11 @@ def tiny_checkpoint(tmp_path_factory):
     return make
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 async def engine(tiny_checkpoint):
     """An in-process engine server (127.0.0.1, any port) on the tiny CustomVoice checkpoint whose
-    utterances end by EOS, as a real model's do; one per test module."""
+    utterances end by EOS, as a real model's do; one per test process (tests read its history
+    from where they start, never from the beginning, and leave it serving)."""
     from qwen3_tts_engine.runtime.engine import Engine
     from qwen3_tts_engine.runtime.handler import Handler
     from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
