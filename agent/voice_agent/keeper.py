@@ -33,7 +33,8 @@ from livekit.protocol.models import ParticipantInfo
 logger = logging.getLogger("voice_agent.keeper")
 CALLER_KINDS = (ParticipantInfo.Kind.STANDARD, ParticipantInfo.Kind.SIP)
 MAX_BODY = 64 * 1024
-JOIN_WAIT = 20.0  # seconds an assigned dispatch has for its agent to join (a process may start)
+JOIN_WAIT = 60.0  # seconds an assigned dispatch has for its agent to join (a job process may
+# have to start and load its models first, slowly on a busy host)
 
 
 @dataclass
@@ -216,7 +217,7 @@ class CallKeeper:
         self.recoveries.append(recovery)
         try:
             dispatch = await self._lk.agent_dispatch.create_dispatch(api.CreateAgentDispatchRequest(
-                agent_name=self.agent_name, room=room, metadata=json.dumps({"resume": True, "reason": reason})))
+                agent_name=self.agent_name, room=room, metadata=json.dumps({"resume": lost is not None, "reason": reason})))
             recovery.dispatch_id = dispatch.id
             if watch is not None:
                 watch.dispatch_id = dispatch.id

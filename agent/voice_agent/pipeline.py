@@ -134,8 +134,10 @@ def build_session(settings: Settings, *, tts_url: str, llm_url: str, vad=None, s
             "preemptive_generation": {"enabled": settings.preemptive_generation},
         },  # fmt: skip
         user_away_timeout=None,
-        # LiveKit's default TTS timeout (10 s) would count a busy shared engine's queue as a stall
+        # LiveKit's default timeouts (10 s) would count a busy shared engine's queue, or a local
+        # whisper pass on a loaded CPU, as a stall
         conn_options=SessionConnectOptions(
-            tts_conn_options=APIConnectOptions(timeout=settings.tts_timeout)),
+            tts_conn_options=APIConnectOptions(timeout=settings.tts_timeout),
+            stt_conn_options=APIConnectOptions(timeout=settings.stt_timeout)),
         **extra,
     )

@@ -235,6 +235,9 @@ class Settings(_EnvSettings):
     tts_timeout: float = _f("TTS_TIMEOUT", 30.0, "seconds the agent waits for the TTS engine's "
                             "response and then for each next chunk before it fails over or gives "
                             "up (a shared engine's queue counts)", check=_positive)
+    stt_timeout: float = _f("STT_TIMEOUT", 30.0, "seconds a transcription may take before the "
+                            "turn gives up on it (LiveKit's default, 10 s, is short for a local "
+                            "model on a busy CPU)", check=_positive)
     tts_queue_capacity: int = _f("TTS_QUEUE_CAPACITY", 4, "engine requests (waiting or in flight) "
                                  "at which the worker reports full load to LiveKit",
                                  check=_positive)

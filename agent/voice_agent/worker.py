@@ -28,7 +28,7 @@ from livekit.plugins.qwen3_tts import EngineLoad
 from .local_services import LocalService, ensure_llm, ensure_tts_engine, resolve_offline
 from .observability import TurnMetrics, tracer_provider_from_env
 from .pipeline import VoiceAgent, build_session, build_stt, build_vad
-from .recovery import CallRecord, chat_context
+from .recovery import CallRecord, chat_context, is_resume_dispatch
 from .settings import Settings, parse_dtmf_actions
 from .telephony import PhoneCall, PhoneCaller
 
@@ -149,7 +149,9 @@ def prewarm(proc: JobProcess) -> None:
     proc.userdata["tracer_provider"] = provider
 
 
-server = AgentServer(setup_fnc=prewarm, load_fnc=load)
+# prewarm loads Silero and faster-whisper: LiveKit's 10 s limit kills it on a busy host (seen at a
+# load average of 10 on 2 cores), and a job then never starts
+server = AgentServer(setup_fnc=prewarm, load_fnc=load, initialize_process_timeout=60.0)
 
 
 @server.rtc_session()
@@ -189,14 +191,15 @@ async def entrypoint(ctx: JobContext) -> None:
     ctx.add_shutdown_callback(record.aclose)
     if settings.worker_tag:  # which worker (host) serves this call, for operators and tests
         await ctx.room.local_participant.set_attributes({"worker": settings.worker_tag})
-    if record.resumed:  # this job takes over a call whose agent was lost
+    resumed = bool(record.resumed) or is_resume_dispatch(ctx.job.metadata)
+    if resumed:  # this job takes over a call whose agent was lost
         logger.info("resuming a call with %d messages from the room", len(record.resumed))
         if settings.resume_greeting:
             session.say(settings.resume_greeting)
     if call is not None:
         call.start()
         ctx.add_shutdown_callback(lambda *_: _aclose(call))
-        if settings.phone_greeting and not record.resumed:
+        if settings.phone_greeting and not resumed:
             session.say(caller.greeting(settings.phone_greeting))
 
 
