@@ -109,21 +109,39 @@ def _stop(proc: subprocess.Popen | None) -> None:
         proc.wait(10)
 
 
+BOTTOM = "4bit-emb4-voc16"  # the default ladder's smallest rung
+
+
+def _mb(rec: dict, when: str, key: str) -> float:
+    return rec[f"memory_{when}"][key] / MB
+
+
+def _swap_line(rec: dict) -> str:
+    return (f"swap {rec['from_variant']} -> {rec['to_variant']} ({rec['mode']}, {rec['cause']}) at "
+            f"pressure {rec['reading']['pressure']:.3f} in {rec['latency_s']:.2f}s; active worker "
+            f"RSS {_mb(rec, 'before', 'active_rss_bytes'):.0f} -> {_mb(rec, 'after', 'active_rss_bytes'):.0f}"
+            f" MB, mlx active {_mb(rec, 'before', 'active_mlx_active_bytes'):.0f} -> "
+            f"{_mb(rec, 'after', 'active_mlx_active_bytes'):.0f} MB")  # fmt: skip
+
+
 def test_real_memory_pressure_makes_the_engine_step_down(tiny_checkpoint):
+    """bf16 -> 4bit -> the bottom rung as the ballast grows, then one rung up once it is gone."""
     from qwen3_tts_engine.models.loading import prepare
     from qwen3_tts_engine.models.variants import resolve
 
     cg = Cgroup.create(LIMIT)
     # Wide talker MLPs: 25 MB of bf16 weights that 4-bit quantization shrinks to 7 MB.
     model = tiny_checkpoint("custom_voice", talker_layers=4, talker_intermediate_size=16384)
-    prepare(resolve(str(model), "4bit"), progress=False)  # quantize here, outside the limit
+    for rung in ("4bit", BOTTOM):
+        prepare(resolve(str(model), rung), progress=False)  # quantize here, outside the limit
     port = free_port()
     exe = str(Path(sys.executable).with_name("qwen3-tts"))
     engine = ballast = None
     try:
         engine = cg.spawn([exe, "serve", "--model", str(model), "--port", str(port),
-                           "--ladder", "bf16,4bit", "--allow-unevaluated", "4bit", "--downgrade-at", str(DOWNGRADE_AT),
-                           "--upgrade-at", "0.2", "--downgrade-hold", "0.5", "--cooldown", "60",
+                           "--ladder", f"bf16,4bit,{BOTTOM}", "--allow-unevaluated", f"4bit,{BOTTOM}",
+                           "--downgrade-at", str(DOWNGRADE_AT), "--upgrade-at", "0.5",
+                           "--downgrade-hold", "0.5", "--upgrade-hold", "1", "--cooldown", "2",
                            "--governor-interval", "0.2"],
                           env={**os.environ, "QWEN3_TTS_LOG_LEVEL": "INFO"})  # fmt: skip
         url = f"http://127.0.0.1:{port}"
@@ -138,48 +156,73 @@ def test_real_memory_pressure_makes_the_engine_step_down(tiny_checkpoint):
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.2)
-            g = c.get("/v1/engine/status").json()["governor"]
+            status = c.get("/v1/engine/status").json()
+            g = status["governor"]
             assert g["pressure"]["source"] == cg.kind and g["pressure"]["detail"] == str(cg.path)
-            assert g["ladder"] == ["bf16", "4bit"] and g["pressure"]["pressure"] < DOWNGRADE_AT
+            assert g["ladder"] == ["bf16", "4bit", BOTTOM] and g["pressure"]["pressure"] < DOWNGRADE_AT
+            fp = status["handlers"][0]["footprint"]  # what the worker's memory is made of
+            assert fp["process_bytes"] > fp["talker_bytes"] > 0 and fp["runtime_bytes"] > 0
 
-            # The ballast grows in 16 MB steps until the governor acts (or usage gets close to
-            # the limit, which would fail the test rather than OOM-kill anything).
+            def settled(n: int) -> dict:
+                g = c.get("/v1/engine/status").json()["governor"]
+                while len(g["history"]) < n or g["history"][n - 1]["ok"] is None or g["swapping"] \
+                        or g["history"][n - 1]["memory_after"] is None:  # fmt: skip
+                    time.sleep(0.1)
+                    g = c.get("/v1/engine/status").json()["governor"]
+                return g
+
+            # The ballast grows in 16 MB steps until the governor has stepped down twice (or
+            # usage gets close to the limit, which would fail the test rather than OOM-kill).
             ballast = cg.spawn([sys.executable, "-c", BALLAST], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True)  # fmt: skip
             grown = 0
-            while not g["history"] and g["swapping"] is None:
-                if int(cg.usage_file.read_text()) < 0.9 * LIMIT:
-                    ballast.stdin.write("16\n")
-                    ballast.stdin.flush()
-                    grown = int(ballast.stdout.readline())
-                time.sleep(0.05)
-                g = c.get("/v1/engine/status").json()["governor"]
-                assert engine.poll() is None and ballast.poll() is None
-            # A request that arrives during the swap waits for the new variant; it never fails.
-            r = c.post("/v1/audio/speech", json={"input": "Under pressure.", "voice": "ryan",
+            for n in (1, 2):
+                while len(g["history"]) < n and g["swapping"] is None:
+                    if int(cg.usage_file.read_text()) < 0.9 * LIMIT:
+                        ballast.stdin.write("16\n")
+                        ballast.stdin.flush()
+                        grown = int(ballast.stdout.readline())
+                    time.sleep(0.05)
+                    g = c.get("/v1/engine/status").json()["governor"]
+                    assert engine.poll() is None and ballast.poll() is None
+                if n == 1:
+                    # A request that arrives during the swap waits for the new variant; it
+                    # never fails.
+                    r = c.post("/v1/audio/speech", json={"input": "Under pressure.", "voice": "ryan",
+                                                         "max_new_tokens": 4, "response_format": "pcm"})  # fmt: skip
+                    assert r.status_code == 200 and len(r.content) == 4 * FRAME_SAMPLES * 2
+                    assert r.headers[HEADER_VARIANT] == "4bit"
+                g = settled(n)
+            down = g["history"][:2]
+            print(f"ballast {grown} MB")
+            for rec in down:
+                print(_swap_line(rec))
+            r = c.post("/v1/audio/speech", json={"input": "Smallest.", "voice": "ryan",
                                                  "max_new_tokens": 4, "response_format": "pcm"})  # fmt: skip
-            assert r.status_code == 200 and len(r.content) == 4 * FRAME_SAMPLES * 2
-            assert r.headers[HEADER_VARIANT] == "4bit"
-            while not g["history"] or g["history"][0]["ok"] is None or g["swapping"]:
-                time.sleep(0.1)
-                g = c.get("/v1/engine/status").json()["governor"]
+            assert r.status_code == 200 and r.headers[HEADER_VARIANT] == BOTTOM
 
-        rec = g["history"][0]
-        print(f"ballast {grown} MB; swap {rec['from_variant']} -> {rec['to_variant']} "
-              f"({rec['mode']}, {rec['cause']}) at pressure {rec['reading']['pressure']:.3f} "
-              f"in {rec['latency_s']:.2f}s; active worker RSS {rec['memory_before']['active_rss_bytes'] / MB:.0f}"
-              f" -> {rec['memory_after']['active_rss_bytes'] / MB:.0f} MB, mlx active "
-              f"{rec['memory_before']['active_mlx_active_bytes'] / MB:.0f} -> "
-              f"{rec['memory_after']['active_mlx_active_bytes'] / MB:.0f} MB; oom kills "
-              f"{cg.oom_kills()}")  # fmt: skip
-        assert rec["ok"] and (rec["from_variant"], rec["to_variant"]) == ("bf16", "4bit")
-        assert rec["reading"]["source"] == cg.kind and rec["reading"]["pressure"] >= DOWNGRADE_AT
-        # Both workers would not have fit: the old one was stopped before the new one loaded.
-        assert rec["mode"] == "break-before-make"
-        before, after = rec["memory_before"], rec["memory_after"]
-        assert after["active_rss_bytes"] < before["active_rss_bytes"]
-        assert after["active_mlx_active_bytes"] < before["active_mlx_active_bytes"] - 15 * MB
-        assert cg.oom_kills() == 0 and engine.poll() is None and ballast.poll() is None
+            # The ballast is gone: once the pressure has stayed low, one rung up.
+            _stop(ballast)
+            g = settled(3)
+            up = g["history"][2]
+            print(f"ballast released; {_swap_line(up)}; oom kills {cg.oom_kills()}")
+
+        assert [(r["from_variant"], r["to_variant"], r["ok"]) for r in g["history"]] == [
+            ("bf16", "4bit", True), ("4bit", BOTTOM, True), (BOTTOM, "4bit", True)]  # fmt: skip
+        for rec in down:
+            assert rec["reading"]["source"] == cg.kind and rec["reading"]["pressure"] >= DOWNGRADE_AT
+            # Both workers would not have fit: the old one was stopped before the new one loaded.
+            assert rec["mode"] == "break-before-make"
+            before, after = rec["memory_before"], rec["memory_after"]
+            assert after["active_rss_bytes"] < before["active_rss_bytes"]
+        # bf16 -> 4bit shrinks the talker; 4bit -> the bottom the text embedding and the vocoder.
+        assert down[0]["memory_after"]["active_mlx_active_bytes"] < \
+            down[0]["memory_before"]["active_mlx_active_bytes"] - 15 * MB  # fmt: skip
+        assert down[1]["memory_after"]["active_mlx_active_bytes"] < \
+            down[1]["memory_before"]["active_mlx_active_bytes"] - 15 * MB  # fmt: skip
+        assert up["direction"] == "up" and up["cause"] == "recovered"
+        assert up["memory_after"]["active_mlx_active_bytes"] > up["memory_before"]["active_mlx_active_bytes"]
+        assert cg.oom_kills() == 0 and engine.poll() is None
     finally:
         _stop(ballast)
         _stop(engine)

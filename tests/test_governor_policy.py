@@ -101,14 +101,24 @@ def test_the_kernel_warning_level_counts_as_pressure():
 
 def test_no_move_past_either_end_of_the_ladder():
     policy = Policy(downgrade_hold_s=0, upgrade_hold_s=0)
-    assert decide(policy, PolicyState(), reading(0.99), "4bit", FOOTPRINTS, 0.0)[0] is None
+    assert decide(policy, PolicyState(), reading(0.99), policy.ladder[-1], FOOTPRINTS, 0.0)[0] is None
     assert decide(policy, PolicyState(), reading(0.01), "bf16", FOOTPRINTS, 0.0)[0] is None
 
 
 def test_cool_down_delays_the_next_swap():
     policy = Policy(downgrade_hold_s=3.0, cooldown_s=20.0)
     swaps = simulate(policy, constant(0.9), seconds=60)
-    assert swaps == [(3.0, "8bit"), (23.0, "4bit")]
+    assert swaps == [(3.0, "8bit"), (23.0, "4bit"), (43.0, "4bit-emb8")]
+
+
+def test_the_default_ladder_ends_at_the_rung_that_shrinks_embeddings_and_vocoder():
+    from qwen3_tts_engine.governor.policy import nominal_bits
+    from qwen3_tts_engine.models.recipes import RECIPES
+
+    ladder = Policy().ladder
+    assert ladder[0] == "bf16" and ladder[-1] == "4bit-emb4-voc16"
+    assert [nominal_bits(v) for v in ladder] == sorted((nominal_bits(v) for v in ladder), reverse=True)
+    assert RECIPES[ladder[-1]].vocoder_dtype == "bfloat16"
 
 
 def test_upgrade_after_the_hold_when_the_larger_variant_fits():
@@ -216,6 +226,24 @@ def test_footprints_prefer_measurements_and_estimate_from_them():
 def test_checkpoint_weight_bytes_from_safetensors_headers(tiny_checkpoint):
     from qwen3_tts_engine.models.footprint import checkpoint_weight_bytes
 
-    sizes = checkpoint_weight_bytes(tiny_checkpoint("custom_voice"), ["bf16", "8bit", "4bit"])
-    assert sizes["bf16"] > sizes["8bit"] > sizes["4bit"] > 0
+    rungs = ["bf16", "8bit", "4bit", "4bit-emb8", "4bit-emb4", "4bit-emb4-voc16"]
+    sizes = checkpoint_weight_bytes(tiny_checkpoint("custom_voice"), rungs)
+    assert [sizes[v] for v in rungs] == sorted(sizes.values(), reverse=True) and sizes["4bit-emb4-voc16"] > 0
+    assert len(set(sizes.values())) == len(rungs)  # each rung saves something
     assert checkpoint_weight_bytes(tiny_checkpoint("custom_voice", bits=4), ["bf16"]) == {}
+
+
+def test_footprints_break_a_worker_down_into_weights_runtime_and_kv():
+    from qwen3_tts_engine.models.footprint import Footprints, breakdown
+
+    parts = {"talker_bytes": 500, "speech_tokenizer_bytes": 200, "speaker_encoder_bytes": 0,
+             "kv_bytes_per_frame": 3}  # fmt: skip
+    b = breakdown(parts, {"rss_bytes": 1000, "mlx_cache_bytes": 7})
+    assert b == {"process_bytes": 1000, "talker_bytes": 500, "speech_tokenizer_bytes": 200,
+                 "speaker_encoder_bytes": 0, "runtime_bytes": 300, "kv_bytes_per_frame": 3,
+                 "mlx_cache_bytes": 7}  # fmt: skip
+    assert breakdown(None, {"rss_bytes": 1000})["runtime_bytes"] is None  # weights unknown
+    fp = Footprints()
+    fp.observe("4bit", {"rss_bytes": 1000}, parts)  # at load: the worker's breakdown
+    fp.observe("4bit", {"rss_bytes": 1200})  # while serving: the larger one, same weights
+    assert fp.as_dict(["4bit"])["4bit"]["parts"]["runtime_bytes"] == 500

@@ -8,6 +8,7 @@ import logging
 import time
 
 import httpx
+import psutil
 import pytest
 
 from qwen3_tts_engine.cli import main as cli_main
@@ -22,12 +23,14 @@ from qwen3_tts_engine.protocol import (
 )
 from qwen3_tts_engine.runtime.engine import Engine
 from qwen3_tts_engine.runtime.handler import Handler, Result
+from qwen3_tts_engine.runtime.worker import renice
 from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
 pytestmark = pytest.mark.slow
 API_KEY = "governor-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GB = 1 << 30
+LADDER = ("bf16", "8bit", "4bit")
 
 
 def body(frames: int, seed: int = 1, stream: bool = True) -> dict:
@@ -83,8 +86,8 @@ async def wait_for_swap(governor: Governor, n: int, timeout: float = 90.0):
 async def test_pressure_steps_down_while_an_utterance_streams_and_back_up(tiny_checkpoint):
     model = tiny_checkpoint("custom_voice")
     probe = ManualProbe(limit_bytes=64 * GB, pressure=0.3)  # room for make-before-break
-    policy = Policy(downgrade_at=0.8, upgrade_at=0.5, downgrade_hold_s=0.2, upgrade_hold_s=0.5,
-                    cooldown_s=0.5, critical_at=0.99)  # fmt: skip
+    policy = Policy(LADDER, downgrade_at=0.8, upgrade_at=0.5, downgrade_hold_s=0.2,
+                    upgrade_hold_s=0.5, cooldown_s=0.5, critical_at=0.99)  # fmt: skip
     server = await start_server(model, probe, policy)
     gov = server.governor
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", headers=AUTH,
@@ -104,6 +107,8 @@ async def test_pressure_steps_down_while_an_utterance_streams_and_back_up(tiny_c
 
             probe.set(0.85)  # step 1
             first = await wait_for_swap(gov, 1)
+            # The new worker loaded at a lower CPU priority and serves at the normal one.
+            assert psutil.Process(server.engine.active.pid).nice() == 0
             after_first = Stream(c, body(4, seed=2))
             probe.set(0.92)  # step 2, while the long utterance still speaks on bf16
             second = await wait_for_swap(gov, 2)
@@ -163,7 +168,7 @@ async def tight(tiny_checkpoint):
     """An engine whose injected limit cannot hold two workers: swaps break before they make."""
     model = tiny_checkpoint("custom_voice")
     probe = ManualProbe(limit_bytes=1 * GB, pressure=0.5)
-    policy = Policy(downgrade_at=0.8, upgrade_at=0.1, downgrade_hold_s=0.2, cooldown_s=5.0,
+    policy = Policy(LADDER, downgrade_at=0.8, upgrade_at=0.1, downgrade_hold_s=0.2, cooldown_s=5.0,
                     critical_at=0.99)  # fmt: skip
     server = await start_server(model, probe, policy)
     yield server, probe
@@ -240,3 +245,21 @@ async def test_operator_override_http_and_cli(tight, caplog):
         assert server.governor.pinned is None
         status = (await c.get("/v1/engine/status", headers=AUTH)).json()["governor"]
         assert status["automatic"] and status["active_variant"] == "4bit"
+
+
+def test_renice_sets_every_thread_of_a_process():
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import threading, time; "
+                             "threading.Thread(target=time.sleep, args=(5,)).start(); time.sleep(5)"])
+    try:
+        time.sleep(0.3)
+        assert renice(proc.pid, 7)
+        assert {t.id for t in psutil.Process(proc.pid).threads()} and all(
+            psutil.Process(t.id).nice() == 7 for t in psutil.Process(proc.pid).threads())
+        if renice(proc.pid, 0):  # raising the priority again needs CAP_SYS_NICE
+            assert psutil.Process(proc.pid).nice() == 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -209,6 +209,7 @@ def test_ablate_cli_proposes_a_recipe_inside_the_budget(tiny_checkpoint, tmp_pat
     [
         (["eval", "--candidates", "9bit"], "neither a built-in recipe"),
         (["eval", "--candidates", "4bit", "--gptq", "decoder"], "unknown --gptq component"),
+        (["eval", "--candidates", "4bit", "--gptq", "text-embedding"], "unknown --gptq component"),
         (["eval", "--seeds", "a,b"], "--seeds must be integers"),
         (["ablate", "--components", "nothing"], "unknown component"),
         (["ablate", "--bits", "8", "--keep-bits", "6"], "must be more than --bits"),

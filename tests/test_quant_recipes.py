@@ -9,6 +9,7 @@ import pytest
 from qwen3_tts_engine.models.components import (
     COMPONENTS,
     all_but,
+    everything,
     only,
     protect,
     rule,
@@ -28,7 +29,10 @@ PATHS = [
     "talker.codec_head", "talker.text_projection.linear_fc1", "talker.text_projection.linear_fc2",
     "talker.code_predictor.model.layers.0.mlp.up_proj", "talker.code_predictor.lm_head.0",
     "talker.code_predictor.lm_head.14", "talker.model.codec_embedding",
+    "talker.model.text_embedding", "talker.code_predictor.model.codec_embedding.0",
+    "talker.code_predictor.model.codec_embedding.14",
 ]  # fmt: skip
+EMBEDDINGS = {p for p in PATHS if "embedding" in p}
 MODULES = [(p, 128) for p in PATHS]
 
 
@@ -38,11 +42,26 @@ def plan(recipe):
 
 @pytest.mark.parametrize("component", list(COMPONENTS))
 def test_only_and_all_but_partition_the_quantizable_modules(component):
-    everything = set(plan(RECIPES["4bit"]))
+    every = set(plan(everything(4)))
     mine, rest = set(plan(only(component, 4))), set(plan(all_but(component, 4)))
     assert mine and rest, component
-    assert mine | rest == everything and not mine & rest
-    assert "talker.model.codec_embedding" not in everything  # never quantized (mlx-audio's rule)
+    assert mine | rest == every == set(PATHS) and not mine & rest
+
+
+def test_embeddings_are_quantized_only_by_rules_that_name_them():
+    assert not EMBEDDINGS & set(plan(RECIPES["4bit"]))  # default bits never reach them
+    assert not EMBEDDINGS & set(plan(RECIPES["keep-code-predictor"]))
+    assert not EMBEDDINGS & set(plan(only("code-predictor", 4)))
+    assert set(plan(only("text-embedding", 4))) == {"talker.model.text_embedding"}
+    assert set(plan(only("codec-embedding", 4))) == EMBEDDINGS - {"talker.model.text_embedding"}
+    emb8, emb4 = plan(RECIPES["4bit-emb8"]), plan(RECIPES["4bit-emb4"])
+    assert set(emb8) == set(emb4) == set(PATHS)
+    assert {emb8[p] for p in EMBEDDINGS} == {(8, 64)} and {emb4[p] for p in EMBEDDINGS} == {(4, 64)}
+    assert {emb8[p] for p in set(PATHS) - EMBEDDINGS} == {(4, 64)}
+    # a recipe file names them as components
+    r = recipe_from_dict({"default_bits": 4, "rules": [{"component": "text-embedding", "bits": 6}]})
+    assert plan(r)["talker.model.text_embedding"] == (6, 64)
+    assert "talker.model.codec_embedding" not in plan(r)
 
 
 def test_components_select_the_modules_they_name():
@@ -119,3 +138,11 @@ def test_load_recipe_errors(tmp_path):
     assert load_recipe("talker-mlp-w4") is RECIPES["talker-mlp-w4"]
     with pytest.raises(ValueError, match="unknown component"):
         rule("nothing", 4)
+
+
+def test_an_ablation_of_linear_components_leaves_the_embeddings_out():
+    linear = set(PATHS) - EMBEDDINGS
+    assert set(plan(all_but("codec-head", 4, embeddings=()))) == linear - {"talker.codec_head"}
+    assert set(plan(protect(["codec-head"], 4, 64, 8, embeddings=()))) == linear
+    assert set(plan(all_but("codec-head", 4, embeddings=("text-embedding",)))) == (
+        linear - {"talker.codec_head"}) | {"talker.model.text_embedding"}

@@ -76,3 +76,29 @@ def test_prequantized_directory_loads_as_is(tiny_checkpoint):
 def test_two_layer_checkpoint_has_nothing_for_talker_mlp_w4(tiny_checkpoint):
     with pytest.raises(ValueError, match="quantizes no module"):
         load(resolve(str(tiny_checkpoint("custom_voice")), "talker-mlp-w4"), progress=False)
+
+
+def test_embedding_rungs_load_quantized_embeddings_and_stream(source):
+    """mlx-audio's loader refuses quantized embeddings; the engine's loader reads them back."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    model, details = load(resolve(str(source), "4bit-emb4-voc16"), progress=False)
+    q = quantized_modules(model)
+    embeddings = {p for p in q if "embedding" in p}
+    assert embeddings == {"talker.model.text_embedding", "talker.model.codec_embedding",
+                          *(f"talker.code_predictor.model.codec_embedding.{i}" for i in range(15))}
+    assert isinstance(model.talker.model.text_embedding, nn.QuantizedEmbedding)
+    assert set(q.values()) == {4}
+    cfg = json.loads((Path(details["path"]) / "config.json").read_text())
+    assert cfg["quantization"]["talker.model.text_embedding"] == {"bits": 4, "group_size": 64}
+    assert cfg["qwen3_tts_vocoder_dtype"] == "bfloat16"
+    assert {v.dtype for _, v in tree_flatten(model.speech_tokenizer.decoder.parameters())} == {mx.bfloat16}
+    assert model.speech_tokenizer.encoder_model is None  # CustomVoice never clones a voice
+    chunks = list(stream_chunks(model, SpeechRequest(input="Small.", voice="ryan",
+                                                     max_new_tokens=4, seed=0)))  # fmt: skip
+    assert [c.frames for c in chunks] == [4] and chunks[0].audio.dtype == "float32"
+    # the cached directory is a checkpoint of its own: loaded as is, named by its recipe
+    again, d2 = load(resolve(details["path"]), progress=False)
+    assert not d2["quantized_on_load"] and quantized_modules(again) == q
+    assert resolve(details["path"]).variant == "4bit-emb4-voc16"

@@ -313,6 +313,9 @@ class HandlerStatus:
     memory: dict
     info: dict
     quantized_modules: int
+    # The worker's process memory by part: weights (talker, speech tokenizer, speaker encoder),
+    # runtime (the rest of the process) and the KV bytes a stream adds per frame.
+    footprint: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Per variant: load time, worker memory, first-audio latency, per-chunk compute, real-time factor.
 Overhead: first audio over HTTP through the server / first audio from mlx-audio's own
 `generate()` in one process. Concurrency: p50/p95 first audio with 1, 2, 4 clients. Optionally the
-weight memory of the real 0.6B architecture (random weights) per variant.
+weight bytes and a fresh worker's process memory of the real 0.6B architecture (random weights)
+per variant (bench/memory.py).
 """
 
 from __future__ import annotations
@@ -180,10 +181,15 @@ def run_bench(args) -> int:
     report["overhead_ratio"] = server["http_first_audio_s"]["p50"] / statistics.median(direct)
 
     if args.real_size_memory:
+        from .memory import run_memory_bench
+
         report["real_0_6b_weight_bytes"] = {}
         for v in variants:
             print(f"  real-size 0.6B weights, {v}", file=sys.stderr)
             report["real_0_6b_weight_bytes"][v] = _in_child(_real_size_worker, v)
+        print("  real-size 0.6B process memory, one fresh worker per variant", file=sys.stderr)
+        report["real_0_6b_process_memory"] = run_memory_bench(
+            variants, progress=lambda m: print(m, file=sys.stderr, flush=True))
 
     text = json.dumps(report, indent=2, default=float)
     print(text)

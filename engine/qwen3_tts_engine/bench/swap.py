@@ -2,7 +2,10 @@
 
 Per mode: swap latency (decision -> new variant serving) against the new variant's plain load
 time, idle and while an utterance streams; the wait of a request that arrives mid-swap; the
-in-flight stream's chunks (none lost or cut); worker memory before, at the peak, and after.
+in-flight stream's chunks (none lost or cut; their p95 interval against the same utterance with
+no swap, in the comparison); worker memory before, at the peak, and after. `python -m` this
+module compares make before break under load with the new worker at the old one's CPU priority
+and at the governor's lower one (Governor.loading_nice), repeated.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from qwen3_tts_engine.governor.governor import Governor, SwapRecord
+from qwen3_tts_engine.governor.governor import LOADING_NICE, Governor, SwapRecord
 from qwen3_tts_engine.governor.memory import ManualProbe
 from qwen3_tts_engine.governor.policy import BREAK_BEFORE_MAKE, MAKE_BEFORE_BREAK, Policy
 from qwen3_tts_engine.protocol import CHUNK_FRAMES, FRAME_SAMPLES, HEADER_VARIANT
@@ -29,6 +32,13 @@ SHORT_FRAMES = 4
 MID_SWAP_DELAY_S = 0.3  # the second request arrives this long after the decision
 TEXT = "A voice that keeps talking while the engine changes its precision underneath."
 MB = 1 << 20
+
+
+def _p95(values: list[float]) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, round(0.95 * (len(values) - 1)))]
 
 
 class _Stream:
@@ -72,6 +82,7 @@ class _Stream:
                 "lost_chunks": max(0, -(-(expected - self.bytes) // chunk)),
                 "first_audio_s": self.first_audio_s,
                 "max_chunk_gap_s": max(gaps) if gaps else None,
+                "p95_chunk_gap_s": _p95(gaps),
                 "median_chunk_gap_s": statistics.median(gaps) if gaps else None}  # fmt: skip
 
 
@@ -130,10 +141,12 @@ def _timing(rec: SwapRecord, plain_load_s: float) -> dict:
             "machinery_overhead_s": rec.latency_s - drain - (rec.load_s or 0.0)}  # fmt: skip
 
 
-async def _mode(model: str, mode: str, plain: dict[str, float]) -> dict:
+async def _mode(model: str, mode: str, plain: dict[str, float], loading_nice: int = LOADING_NICE,
+                idle_reference: bool = False) -> dict:  # fmt: skip
     engine = Engine(model, [Handler(model, "bf16")])
     gov = Governor(engine, ManualProbe(), Policy(ladder=("bf16", "8bit")), auto=False,
                    allow_unevaluated=("all",))  # a benchmark of swaps, not of quality
+    gov.loading_nice = loading_nice
     server = EngineServer(engine, ServerConfig(port=0), gov)
     await server.start()
     url = f"http://127.0.0.1:{server.port}/v1/audio/speech"
@@ -141,6 +154,11 @@ async def _mode(model: str, mode: str, plain: dict[str, float]) -> dict:
     try:
         baseline = _Stream(url, SHORT_FRAMES, 1, voice)
         await baseline.task
+        idle_gaps: dict = {}
+        if idle_reference:  # the same long utterance with no swap: idle chunk intervals
+            idle_stream = _Stream(url, LONG_FRAMES, 2, voice)
+            await idle_stream.task
+            idle_gaps = idle_stream.report()
         # Down while an utterance streams; a second request arrives in the middle of the swap.
         speaking = _Stream(url, LONG_FRAMES, 2, voice)
         await speaking.first.wait()
@@ -152,24 +170,25 @@ async def _mode(model: str, mode: str, plain: dict[str, float]) -> dict:
         mid_report = mid.report()
         mid_report["arrived_after_decision_s"] = MID_SWAP_DELAY_S
         mid_report["extra_wait_s"] = (mid.first_audio_s or 0) - (baseline.first_audio_s or 0)
-        loaded = {**_timing(rec, plain["8bit"]), "in_flight_stream": speaking.report(),
-                  "mid_swap_request": mid_report, "memory_mb": _memory_mb(rec, peak)}  # fmt: skip
+        streaming = speaking.report()
+        if idle_gaps.get("p95_chunk_gap_s"):
+            streaming["chunk_gap_p95_vs_idle"] = streaming["p95_chunk_gap_s"] / idle_gaps["p95_chunk_gap_s"]
+        loaded = {**_timing(rec, plain["8bit"]), "in_flight_stream": streaming,
+                  "mid_swap_request": mid_report, "memory_mb": _memory_mb(rec, peak),
+                  **({"idle_stream": idle_gaps} if idle_gaps else {})}  # fmt: skip
         # Up again with no traffic: the swap's latency against the plain load time.
         rec, peak = await _swap(gov, "bf16", mode)
         idle = {**_timing(rec, plain["bf16"]), "memory_mb": _memory_mb(rec, peak)}
-        return {"baseline_first_audio_s": baseline.first_audio_s, "under_load": loaded,
-                "idle": idle, "requests": [baseline.report(), speaking.report(), mid_report]}
+        return {"loading_nice": loading_nice if mode == MAKE_BEFORE_BREAK else None,
+                "baseline_first_audio_s": baseline.first_audio_s, "under_load": loaded,
+                "idle": idle, "requests": [baseline.report(), streaming, mid_report,
+                                           *([idle_gaps] if idle_gaps else [])]}  # fmt: skip
     finally:
         await server.stop()
 
 
 def run_swap_bench(args) -> int:
-    from qwen3_tts_engine.models.loading import cache_root
-    from qwen3_tts_engine.testing.tiny_checkpoint import write_tiny_checkpoint
-
-    model = args.model or str(cache_root() / "tiny" / "custom_voice-8layers-seed0")
-    if not args.model and not (Path(model) / "config.json").is_file():
-        write_tiny_checkpoint(model, variant="custom_voice", seed=0, talker_layers=8)
+    model = _model(args.model)
     print(f"swap benchmark on {model} ...", file=sys.stderr)
 
     async def run() -> dict:
@@ -204,3 +223,67 @@ def run_swap_bench(args) -> int:
     if args.out:
         Path(args.out).write_text(text)
     return 0
+
+
+def _model(path: str | None) -> str:
+    from qwen3_tts_engine.models.loading import cache_root
+    from qwen3_tts_engine.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    model = path or str(cache_root() / "tiny" / "custom_voice-8layers-seed0")
+    if not path and not (Path(model) / "config.json").is_file():
+        write_tiny_checkpoint(model, variant="custom_voice", seed=0, talker_layers=8)
+    return model
+
+
+def run_nice_comparison(model: str | None, repeats: int, nices: tuple[int, ...]) -> dict:
+    """Make before break under load, per loading niceness: swap latency minus plain load, the
+    in-flight stream's p95 chunk interval against the same utterance with no swap, chunks lost."""
+    model = _model(model)
+
+    async def run() -> dict:
+        await _plain_load(model, "8bit")
+        plain = {v: statistics.median([await _plain_load(model, v) for _ in range(2)])
+                 for v in ("bf16", "8bit")}  # fmt: skip
+        runs: dict[str, list] = {str(n): [] for n in nices}
+        for i in range(repeats):
+            for n in nices:  # interleaved: the machine's other load hits both alike
+                print(f"  make-before-break, loading nice {n}, run {i + 1}", file=sys.stderr)
+                m = await _mode(model, MAKE_BEFORE_BREAK, plain, n, idle_reference=True)
+                u = m["under_load"]
+                runs[str(n)].append(entry := {
+                    "latency_minus_plain_load_s": u["latency_minus_drain_minus_plain_load_s"],
+                    "load_in_swap_s": u["load_in_swap_s"],
+                    "chunk_gap_p95_vs_idle": u["in_flight_stream"].get("chunk_gap_p95_vs_idle"),
+                    "in_flight_p95_chunk_gap_s": u["in_flight_stream"]["p95_chunk_gap_s"],
+                    "idle_p95_chunk_gap_s": u["idle_stream"]["p95_chunk_gap_s"],
+                    "lost_chunks": sum(r["lost_chunks"] for r in m["requests"]),
+                    "incomplete": sum(not r["complete"] for r in m["requests"]),
+                })  # fmt: skip
+                print(f"    {json.dumps(entry, default=float)}", file=sys.stderr, flush=True)
+        return {"plain_load_s": plain, "runs": runs}
+
+    result = asyncio.run(run())
+    result["median"] = {n: {k: statistics.median(r[k] for r in rs if r[k] is not None)
+                            for k in rs[0]} for n, rs in result["runs"].items()}  # fmt: skip
+    return {"model": model, "long_frames": LONG_FRAMES, **result}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=run_nice_comparison.__doc__)
+    p.add_argument("--model")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--nices", default=f"0,{LOADING_NICE}")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    report = run_nice_comparison(args.model, args.repeats, tuple(int(n) for n in args.nices.split(",")))
+    text = json.dumps(report, indent=2, default=float)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

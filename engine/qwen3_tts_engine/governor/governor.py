@@ -38,6 +38,10 @@ from .policy import (
     nominal_bits,
 )
 
+# Niceness of a make-before-break swap's new worker until it serves (0: same as the old one).
+LOADING_NICE = 10
+LOADING_PATIENCE = 2.0  # x the old worker's start time, then the normal priority
+
 
 class SwapInProgress(RuntimeError):
     pass
@@ -113,6 +117,7 @@ class Governor:
         self.configured = policy or Policy()
         self.policy = self.configured  # the ladder is cut at the start variant in start()
         self.interval_s = interval_s
+        self.loading_nice = LOADING_NICE
         self.drain_deadline_s = drain_deadline_s  # operator-set: cut utterances after this long
         self.auto = auto
         self.clock = clock
@@ -137,7 +142,7 @@ class Governor:
         self.policy = replace(self.configured, ladder=rungs)
         self.footprints = Footprints(weights)
         for h in self.engine.all_handlers():
-            self.footprints.observe(h.variant, h.info.get("memory", {}))
+            self.footprints.observe(h.variant, h.info.get("memory", {}), h.info.get("footprint"))
         self.reading = await self._read()
         self.started = True
         if self.auto:
@@ -284,13 +289,28 @@ class Governor:
 
     async def _make_before_break(self, old: Handler, rec: SwapRecord, t0: float) -> None:
         new = old.sibling(rec.to_variant)
+        # The new worker loads at a lower CPU priority while the old one may be speaking, and
+        # gets the normal one back before it serves (bench/swap.py measures both sides). On a
+        # machine busy with more than the old worker, a niced load would starve: past twice the
+        # old worker's own start time it continues at the normal priority.
+        new.nice = self.loading_nice
         try:
-            await new.start()
+            starting = asyncio.ensure_future(new.start())
+            if new.nice:
+                patience = LOADING_PATIENCE * old.info.get("start_s", 5.0)
+                done, _ = await asyncio.wait({starting}, timeout=patience)
+                if not done and new.set_nice(0):
+                    logger.info("variant swap %s -> %s: still loading after %.1fs at niceness "
+                                "%d; continuing at the normal priority", rec.from_variant,
+                                rec.to_variant, patience, self.loading_nice)  # fmt: skip
+            await starting
         except HandlerError as e:  # the old handler never stopped serving
             rec.ok, rec.error, rec.load_s = False, str(e), self.clock() - t0
             self._done(rec, None, t0)
             return
         rec.load_s = new.info.get("start_s")
+        if new.nice:
+            new.set_nice(0)
         old.restart = False  # a worker dying while it retires is not brought back
         self.engine.route_to(new, old)
         rec.ok = True
@@ -357,7 +377,7 @@ class Governor:
         rec.latency_s = self.clock() - t0
         self.state = after_swap(self.state, self.clock())
         if new is not None:
-            self.footprints.observe(new.variant, new.info.get("memory", {}))
+            self.footprints.observe(new.variant, new.info.get("memory", {}), new.info.get("footprint"))
         if rec.ok:
             logger.info("variant swap %s -> %s (%s, %s, %s) serving after %.2fs: %s",
                         rec.from_variant, rec.to_variant, rec.direction, rec.mode, rec.cause,

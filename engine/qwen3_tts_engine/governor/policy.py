@@ -19,8 +19,10 @@ MODES = ("auto", MAKE_BEFORE_BREAK, BREAK_BEFORE_MAKE)
 
 # Rough average bits per weight of the real 0.6B model per variant: only used to place a variant
 # that is not on the configured ladder (the one the engine starts with) at its rung.
+# Below 4bit, the rungs that also shrink the embeddings (and the vocoder).
 NOMINAL_BITS = {"bf16": 16.0, "talker-mlp-w4": 12.0, "8bit": 8.5, "6bit": 6.5,
-                "keep-code-predictor": 4.7, "4bit": 4.5}  # fmt: skip
+                "keep-code-predictor": 4.7, "4bit": 4.5, "4bit-emb8": 4.4, "4bit-emb4": 4.3,
+                "4bit-temb4-cemb8-voc16": 4.2, "4bit-emb4-voc16": 4.1}  # fmt: skip
 
 
 def nominal_bits(variant: str) -> float:
@@ -34,7 +36,10 @@ def nominal_bits(variant: str) -> float:
 class Policy:
     """The governor's settings; the defaults are the documented ones (README)."""
 
-    ladder: tuple[str, ...] = ("bf16", "8bit", "4bit")  # largest first
+    # Largest first. Rungs without a passing quality report for the model are left off at start
+    # (governor/gate.py), so the bottom rung is the smallest one that passed.
+    ladder: tuple[str, ...] = ("bf16", "8bit", "4bit", "4bit-emb8", "4bit-temb4-cemb8-voc16",
+                               "4bit-emb4-voc16")  # fmt: skip
     downgrade_at: float = 0.85  # used fraction of the memory limit
     upgrade_at: float = 0.65
     downgrade_hold_s: float = 3.0  # pressure must stay at/above downgrade_at this long

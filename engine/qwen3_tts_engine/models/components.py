@@ -1,12 +1,15 @@
 """The parts of Qwen3-TTS an ablation quantizes one at a time, as recipe rules over module paths.
 
 Components may overlap (the first talker layer holds attention and MLP modules too); each one is
-a set of quantizable Linear paths, so "only this" and "all but this" are plain recipes.
+a set of quantizable Linear or Embedding paths, so "only this" and "all but this" are plain
+recipes. "Everything" includes the embeddings, which a recipe's default bits never reach.
 """
 
 from __future__ import annotations
 
-from .recipes import Recipe, Rule
+from collections.abc import Collection
+
+from .recipes import CODE_PREDICTOR, CODEC_EMBEDDINGS, TEXT_EMBEDDING, Recipe, Rule
 
 _LAYER = r"^talker\.model\.layers\.\d+\."
 
@@ -18,8 +21,13 @@ COMPONENTS: dict[str, tuple[str, tuple[int, int] | None, str]] = {
     "talker-last-layer": (_LAYER, (-1, -1), "all projections of the last talker layer"),
     "codec-head": (r"^talker\.codec_head$", None, "the talker's codebook-0 head"),
     "text-projection": (r"^talker\.text_projection\.", None, "text-embedding projection MLP"),
-    "code-predictor": (r"^talker\.code_predictor\.", None, "the 15-head code predictor"),
+    "code-predictor": (CODE_PREDICTOR, None, "the 15-head code predictor (not its embeddings)"),
+    "text-embedding": (TEXT_EMBEDDING, None, "the 151936-token text embedding (~620 MB in bf16 "
+                       "of the 0.6B)"),
+    "codec-embedding": (CODEC_EMBEDDINGS, None, "the codebook embeddings of the talker and the "
+                        "code predictor"),
 }
+EMBEDDING_COMPONENTS = ("text-embedding", "codec-embedding")
 
 
 def rule(component: str, bits: int | None, group_size: int = 64) -> Rule:
@@ -37,18 +45,36 @@ def only(component: str, bits: int, group_size: int = 64) -> Recipe:
                   f"only {component} at {bits} bits")  # fmt: skip
 
 
-def all_but(component: str, bits: int, group_size: int = 64) -> Recipe:
-    """Everything quantized except `component`."""
+def _embeddings(bits: int, group_size: int, but: list[str],
+                among: Collection[str] = EMBEDDING_COMPONENTS) -> tuple[Rule, ...]:  # fmt: skip
+    """Rules that put the embeddings `among` (except `but`) at `bits`: default bits never reach
+    them."""
+    return tuple(rule(c, bits, group_size) for c in EMBEDDING_COMPONENTS if c in among and c not in but)
+
+
+def everything(bits: int, group_size: int = 64) -> Recipe:
+    """Every quantizable module, embeddings included, at `bits`."""
+    return Recipe(f"all-w{bits}g{group_size}", bits, group_size, _embeddings(bits, group_size, []),
+                  f"everything (embeddings too) at {bits} bits")  # fmt: skip
+
+
+def all_but(component: str, bits: int, group_size: int = 64,
+            embeddings: Collection[str] = EMBEDDING_COMPONENTS) -> Recipe:  # fmt: skip
+    """Everything quantized except `component`; "everything" holds the `embeddings` named (an
+    ablation of the Linear components alone leaves the embeddings out, as before they existed)."""
     return Recipe(f"all-but-{component}-w{bits}g{group_size}", bits, group_size,
-                  (rule(component, None),), f"all but {component} at {bits} bits")  # fmt: skip
+                  (rule(component, None), *_embeddings(bits, group_size, [component], embeddings)),
+                  f"all but {component} at {bits} bits")  # fmt: skip
 
 
-def protect(components: list[str], bits: int, group_size: int, keep_bits: int | None) -> Recipe:
-    """All at `bits` except `components`, which stay at `keep_bits` (None: full precision)."""
+def protect(components: list[str], bits: int, group_size: int, keep_bits: int | None,
+            embeddings: Collection[str] = EMBEDDING_COMPONENTS) -> Recipe:  # fmt: skip
+    """All (with the `embeddings` named) at `bits` except `components`, which stay at
+    `keep_bits` (None: full precision)."""
     keep = "bf16" if keep_bits is None else f"w{keep_bits}"
     name = f"w{bits}g{group_size}" + "".join(f"+{c}-{keep}" for c in components)
     rules = tuple(rule(c, keep_bits, group_size) for c in components)
-    return Recipe(name, bits, group_size, rules,
+    return Recipe(name, bits, group_size, rules + _embeddings(bits, group_size, components, embeddings),
                   f"all at {bits} bits; {', '.join(components) or 'nothing'} at {keep}")  # fmt: skip
 
 

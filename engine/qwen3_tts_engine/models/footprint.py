@@ -45,8 +45,20 @@ def estimate_weight_bytes(tensors: Tensors, recipe: Recipe, num_talker_layers: i
     return total
 
 
+def vocoder_bytes(tensors: Tensors, recipe: Recipe) -> int:
+    """Bytes of the speech tokenizer's decoder (`tensors`: its safetensors headers) once loaded
+    for `recipe`, which may cast it to 16 bits."""
+    total = 0
+    for name, (shape, dtype) in tensors.items():
+        if name.startswith("decoder."):
+            size = DTYPE_BYTES.get(dtype, 4)
+            total += math.prod(shape) * (min(size, 2) if recipe.vocoder_dtype else size)
+    return total
+
+
 def checkpoint_weight_bytes(model_dir: Path, variants: Iterable[str]) -> dict[str, int]:
-    """Estimated weight bytes per variant of a local full-precision checkpoint ({} otherwise)."""
+    """Estimated weight bytes per variant of a local full-precision checkpoint ({} otherwise):
+    the root weights as each recipe quantizes them plus the vocoder in each recipe's dtype."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
         if config.get("quantization") or config.get("quantization_config"):
@@ -54,10 +66,31 @@ def checkpoint_weight_bytes(model_dir: Path, variants: Iterable[str]) -> dict[st
         tensors: dict = {}
         for f in sorted(model_dir.glob("*.safetensors")):
             tensors.update(read_safetensors_header(f))
+        vocoder: dict = {}
+        for f in sorted(model_dir.glob("speech_tokenizer/*.safetensors")):
+            vocoder.update(read_safetensors_header(f))
         layers = config["talker_config"]["num_hidden_layers"]
-        return {v: estimate_weight_bytes(tensors, get_recipe(v), layers) for v in variants}
+        return {v: estimate_weight_bytes(tensors, get_recipe(v), layers)
+                + vocoder_bytes(vocoder, get_recipe(v)) for v in variants}  # fmt: skip
     except (OSError, KeyError, ValueError):
         return {}
+
+
+def breakdown(parts: Mapping[str, int] | None, memory: Mapping[str, int]) -> dict:
+    """A worker's process memory (`memory`: its RSS and mlx counters) split into what it is made
+    of: the weights by part (`parts`: `model_bytes` + `kv_bytes_per_frame`, from the worker's
+    load), and the runtime, i.e. everything else (interpreter, libraries, mlx's buffer cache,
+    activations, the KV caches of the streams in flight)."""
+    parts = parts or {}
+    rss = memory.get("rss_bytes")
+    weights = {k: parts[k] for k in ("talker_bytes", "speech_tokenizer_bytes", "speaker_encoder_bytes")
+               if parts.get(k) is not None}  # fmt: skip
+    return {
+        "process_bytes": rss, **weights,
+        "runtime_bytes": rss - sum(weights.values()) if rss and weights else None,
+        "kv_bytes_per_frame": parts.get("kv_bytes_per_frame"),
+        "mlx_cache_bytes": memory.get("mlx_cache_bytes"),
+    }  # fmt: skip
 
 
 class Footprints:
@@ -66,11 +99,20 @@ class Footprints:
     def __init__(self, weight_bytes: Mapping[str, int] | None = None) -> None:
         self.weight_bytes = dict(weight_bytes or {})
         self.measured: dict[str, int] = {}
+        self.parts: dict[str, dict] = {}  # the largest measurement's breakdown
+        self._weights: dict[str, Mapping[str, int]] = {}  # a worker's `footprint` info
 
-    def observe(self, variant: str | None, memory: Mapping[str, int]) -> None:
+    def observe(self, variant: str | None, memory: Mapping[str, int],
+                parts: Mapping[str, int] | None = None) -> None:  # fmt: skip
+        """A worker of `variant` uses `memory`; `parts` is its load-time breakdown, if known."""
+        if not variant:
+            return
+        if parts:
+            self._weights[variant] = parts
         rss = memory.get("rss_bytes")
-        if variant and rss:
-            self.measured[variant] = max(rss, self.measured.get(variant, 0))
+        if rss and rss >= self.measured.get(variant, 0):
+            self.measured[variant] = rss
+            self.parts[variant] = breakdown(self._weights.get(variant), memory)
 
     def get(self, variant: str) -> int | None:
         if variant in self.measured:
@@ -85,4 +127,37 @@ class Footprints:
 
     def as_dict(self, variants: Iterable[str]) -> dict:
         return {v: {"bytes": self.get(v), "measured": v in self.measured,
-                    "weight_bytes": self.weight_bytes.get(v)} for v in variants}  # fmt: skip
+                    "weight_bytes": self.weight_bytes.get(v), "parts": self.parts.get(v)}
+                for v in variants}  # fmt: skip
+
+
+def model_bytes(model) -> dict[str, int]:
+    """Bytes of a loaded model's parameters by part: the talker (what recipes quantize), the
+    speech tokenizer (vocoder, plus its encoder where kept) and the speaker encoder."""
+    from mlx.utils import tree_flatten
+
+    parts = {"talker_bytes": 0, "speech_tokenizer_bytes": 0, "speaker_encoder_bytes": 0}
+    for key, value in tree_flatten(model.parameters()):
+        part = key.split(".", 1)[0]
+        parts[f"{part}_bytes" if f"{part}_bytes" in parts else "talker_bytes"] += value.nbytes
+    return parts
+
+
+def kv_bytes_per_frame(model) -> int:
+    """KV-cache bytes one active stream adds per 80 ms frame: the talker's cache (one position
+    per frame, in the weights' dtype) plus the vocoder's decoder transformer (one position per
+    frame; a plain growing cache in mlx-audio 0.6, NOTES). The code predictor's cache is rebuilt
+    every frame and stays a few positions long."""
+    from mlx.utils import tree_flatten
+
+    t = model.config.talker_config
+    dtype = model.talker.model.norm.weight.dtype
+    talker = t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * dtype.size
+    vocoder = 0
+    st = getattr(model, "speech_tokenizer", None)
+    if st is not None:
+        d = st.config.decoder_config
+        head_dim = getattr(d, "head_dim", d.hidden_size // d.num_attention_heads)
+        size = next((v.dtype.size for k, v in tree_flatten(st.parameters()) if "pre_transformer" in k), 4)
+        vocoder = d.num_hidden_layers * 2 * d.num_key_value_heads * head_dim * size
+    return talker + vocoder

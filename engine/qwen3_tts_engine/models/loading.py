@@ -7,6 +7,7 @@ made of the source's content digest and the recipe, so the next load is a plain 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import hashlib
 import json
@@ -88,8 +89,9 @@ def load_full_precision(src: Path):
 
 
 def quantizable_modules(model) -> list[tuple[str, int]]:
-    """(path, input width) of every module a recipe could quantize, including modules already
-    quantized (by GPTQ), whose packed weight is bits/32 as wide as their input."""
+    """(path, input width) of every module a recipe could quantize (Linear and Embedding),
+    including modules already quantized (by GPTQ), whose packed weight is bits/32 as wide as
+    their input."""
     return [
         (path, m.weight.shape[-1] * 32 // m.bits if hasattr(m, "bits") else m.weight.shape[-1])
         for path, m in model.named_modules()
@@ -122,7 +124,28 @@ def apply_recipe(model, recipe: Recipe, *, skip: frozenset[str] = frozenset()) -
             if f"talker.{p}" in plan and f"talker.{p}" not in skip else False
         ),
     )  # fmt: skip
+    if recipe.vocoder_dtype and getattr(model, "speech_tokenizer", None) is not None:
+        cast_vocoder(model, recipe.vocoder_dtype)
     return plan
+
+
+def cast_vocoder(model, dtype: str) -> None:
+    """The speech tokenizer's decoder in `dtype` (it ships in float32). The synthesis loop
+    converts its output to float32, so only the vocoder's weights and activations shrink."""
+    import mlx.core as mx
+
+    model.speech_tokenizer.decoder.set_dtype(getattr(mx, dtype))
+    mx.eval(model.speech_tokenizer.decoder.parameters())
+
+
+def release_freed_memory() -> None:
+    """Give freed memory back to the system now: mlx's buffer cache, then glibc's heap. After a
+    load, the weight files' buffers and dropped modules otherwise stay in the process's RSS."""
+    import mlx.core as mx
+
+    mx.clear_cache()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS): nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def save_quantized(model, src: Path, dst: Path, plan: dict, recipe: Recipe, *,
@@ -160,6 +183,8 @@ def save_quantized(model, src: Path, dst: Path, plan: dict, recipe: Recipe, *,
         **{p: {"bits": b, "group_size": g} for p, (b, g) in plan.items()},
     }
     config["qwen3_tts_recipe"] = recipe.name
+    if recipe.vocoder_dtype:
+        config["qwen3_tts_vocoder_dtype"] = recipe.vocoder_dtype
     config.update(extra or {})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     shutil.rmtree(dst, ignore_errors=True)
@@ -196,20 +221,58 @@ def prepare(source: ModelSource, *, progress: bool = True) -> tuple[Path, bool]:
     return dst, False
 
 
-def load(source: ModelSource, *, progress: bool = True):
-    """Load the mlx-audio model for `source`. Returns (model, details)."""
-    from mlx_audio.tts.utils import load_model
+def _load_predicate(path: str, module) -> bool:
+    # mlx-audio's Model.model_quant_predicate refuses the embeddings even where config.json lists
+    # them as quantized; what is quantized is then decided by config.json (per-module entries, or
+    # the scales in the weights), as mlx-audio's apply_quantization does for every other module.
+    return not any(s in path for s in ALWAYS_SKIPPED)
 
-    t0 = time.perf_counter()
-    path, cached = prepare(source, progress=progress)
+
+def load_checkpoint(path: Path, *, keep_encoder: bool | None = None):
+    """A local Qwen3-TTS checkpoint as an mlx-audio Model with its tokenizers.
+
+    The steps of mlx-audio's `load_model`, except that quantized embeddings load (mlx-audio's own
+    loader cannot read a checkpoint whose embeddings a recipe quantized). The speech tokenizer's
+    encoder (~225 MB in float32 for the real model) is only used to clone a voice from reference
+    audio, which only Base models do: it is dropped for the others unless `keep_encoder`.
+    """
+    import mlx.core as mx
+    from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
+    from mlx_audio.utils import apply_quantization, load_config, load_weights
+
+    path = Path(path)
     # transformers warns "a model of type `qwen3_tts` ... of type ``" on every load of a correct
     # checkpoint (mlx-audio reads a sub-config through a generic class): noise, not a problem.
     logging.getLogger("transformers.configuration_utils").setLevel(logging.ERROR)
+    config = load_config(path)
+    config["model_path"] = str(path)
+    model = Model(ModelConfig.from_dict(config))
+    weights = model.sanitize(load_weights(path))
+    apply_quantization(model, config, weights, _load_predicate)
+    model.load_weights(list(weights.items()))
+    del weights
+    mx.eval(model.parameters())
+    model.eval()
     # mlx-audio prints progress to stdout; keep stdout clean for `--json` output.
     with contextlib.redirect_stdout(sys.stderr):
-        model = load_model(path)
+        model = Model.post_load_hook(model, path)
     if model.tokenizer is None or model.speech_tokenizer is None:
         raise RuntimeError(f"{path}: the text tokenizer or speech tokenizer failed to load")
+    if keep_encoder is None:
+        keep_encoder = config.get("tts_model_type") == "base"
+    if not keep_encoder:
+        model.speech_tokenizer.encoder_model = None
+    if config.get("qwen3_tts_vocoder_dtype"):
+        cast_vocoder(model, config["qwen3_tts_vocoder_dtype"])
+    release_freed_memory()
+    return model
+
+
+def load(source: ModelSource, *, progress: bool = True):
+    """Load the mlx-audio model for `source`. Returns (model, details)."""
+    t0 = time.perf_counter()
+    path, cached = prepare(source, progress=progress)
+    model = load_checkpoint(path)
     return model, {
         "path": str(path),
         "from_cache": cached,

@@ -9,16 +9,28 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 VALID_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs in "affine" mode
 VALID_GROUP_SIZES = (32, 64, 128)
+# The speech tokenizer ships in float32; a recipe may load its decoder (the vocoder) in 16 bits.
+VOCODER_DTYPES = ("bfloat16", "float16")
 
-# mlx-audio keeps these unquantized in every published checkpoint (Model.model_quant_predicate).
-ALWAYS_SKIPPED = ("codec_embedding", "text_embedding", "speech_tokenizer", "speaker_encoder")
+# Never quantized: the vocoder and the speaker encoder are convolutions.
+ALWAYS_SKIPPED = ("speech_tokenizer", "speaker_encoder")
+# mlx-audio keeps the embeddings unquantized in every published checkpoint
+# (Model.model_quant_predicate); here a recipe rule that matches them quantizes them
+# (nn.QuantizedEmbedding, as mlx-lm does for token embeddings). `default_bits` never does.
+EMBEDDINGS = ("text_embedding", "codec_embedding")
+# The code predictor without its codebook embeddings (those belong to the codec-embedding part).
+CODE_PREDICTOR = r"^talker\.code_predictor\.(?!model\.codec_embedding\.)"
 
 _LAYER_RE = re.compile(r"^talker\.model\.layers\.(\d+)\.")
+
+
+def is_embedding(path: str) -> bool:
+    return any(e in path for e in EMBEDDINGS)
 
 
 @dataclass(frozen=True)
@@ -48,13 +60,15 @@ class Rule:
 
 @dataclass(frozen=True)
 class Recipe:
-    """Rules are tried in order; the first match decides. Unmatched modules get `default_bits`."""
+    """Rules are tried in order; the first match decides. Unmatched modules get `default_bits`
+    (embeddings excepted). `vocoder_dtype` (None: as shipped, float32) casts the vocoder."""
 
     name: str
     default_bits: int | None
     default_group_size: int = 64
     rules: tuple[Rule, ...] = field(default_factory=tuple)
     description: str = ""
+    vocoder_dtype: str | None = None
 
     @property
     def is_quantized(self) -> bool:
@@ -67,7 +81,7 @@ class Recipe:
         for rule in self.rules:
             if rule.matches(path, num_talker_layers):
                 return None if rule.bits is None else (rule.bits, rule.group_size)
-        if self.default_bits is None:
+        if self.default_bits is None or is_embedding(path):
             return None
         return (self.default_bits, self.default_group_size)
 
@@ -77,8 +91,9 @@ def quantization_plan(
 ) -> dict[str, tuple[int, int]]:
     """Map each quantizable module path to (bits, group_size).
 
-    `modules` yields (path, input_features) of every Linear/Embedding in the model; a module whose
-    input width is not a multiple of its group size stays unquantized (mlx cannot pack it).
+    `modules` yields (path, input_features) of every Linear/Embedding in the model (an
+    embedding's input width is its embedding width: mlx packs each row); a module whose input
+    width is not a multiple of its group size stays unquantized (mlx cannot pack it).
     """
     plan: dict[str, tuple[int, int]] = {}
     for path, in_features in modules:
@@ -90,6 +105,17 @@ def quantization_plan(
 
 def _uniform(bits: int) -> Recipe:
     return Recipe(f"{bits}bit", bits, description=f"every Linear at {bits} bits (affine, group 64)")
+
+
+TEXT_EMBEDDING = r"^talker\.model\.text_embedding$"
+CODEC_EMBEDDINGS = r"^talker\.(model|code_predictor\.model)\.codec_embedding(\.\d+)?$"
+
+
+def _with_embeddings(bits: int, text_bits: int, codec_bits: int, name: str) -> Recipe:
+    both = f"the text and codec embeddings at {text_bits} bits" if text_bits == codec_bits else \
+        f"the text embedding at {text_bits} bits, the codec embeddings at {codec_bits}"
+    return Recipe(name, bits, rules=(Rule(TEXT_EMBEDDING, text_bits), Rule(CODEC_EMBEDDINGS, codec_bits)),
+                  description=f"every Linear at {bits} bits, {both}")  # fmt: skip
 
 
 RECIPES: dict[str, Recipe] = {
@@ -106,8 +132,20 @@ RECIPES: dict[str, Recipe] = {
     "keep-code-predictor": Recipe(
         "keep-code-predictor",
         4,
-        rules=(Rule(r"^talker\.code_predictor\.", 8),),
+        rules=(Rule(CODE_PREDICTOR, 8),),
         description="everything at 4 bits except the code predictor at 8 bits",
+    ),
+    "4bit-emb8": _with_embeddings(4, 8, 8, "4bit-emb8"),
+    "4bit-emb4": _with_embeddings(4, 4, 4, "4bit-emb4"),
+    # The codec embeddings are small (~70 MB in bf16 of the 0.6B) and at 4 bits cost more
+    # quality than the text embedding does (README: Quantization quality): 8 bits for them.
+    "4bit-temb4-cemb8-voc16": replace(
+        _with_embeddings(4, 4, 8, "4bit-temb4-cemb8-voc16"), vocoder_dtype="bfloat16",
+        description="every Linear and the text embedding at 4 bits, the codec embeddings at 8, "
+                    "the vocoder in bfloat16 (not float32)"),
+    "4bit-emb4-voc16": replace(
+        _with_embeddings(4, 4, 4, "4bit-emb4-voc16"), vocoder_dtype="bfloat16",
+        description="every Linear and embedding at 4 bits, the vocoder in bfloat16 (not float32)",
     ),
 }
 
@@ -135,6 +173,7 @@ def recipe_to_dict(recipe: Recipe) -> dict:
         "default_bits": recipe.default_bits, "default_group_size": recipe.default_group_size,
         "rules": [{"pattern": r.pattern, "bits": r.bits, "group_size": r.group_size,
                    **({"layers": list(r.layers)} if r.layers else {})} for r in recipe.rules],
+        **({"vocoder_dtype": recipe.vocoder_dtype} if recipe.vocoder_dtype else {}),
     }  # fmt: skip
 
 
@@ -157,11 +196,14 @@ def recipe_from_dict(data: dict, *, default_name: str = "custom") -> Recipe:
 
     Rules take a regular expression over module paths (`pattern`) or a named ablation
     `component` (see `qwen3-tts ablate --help`), optional `layers: [first, last]` (talker layers,
-    negative from the end), `bits` (null keeps full precision) and `group_size`.
+    negative from the end), `bits` (null keeps full precision) and `group_size`. A rule that
+    matches an embedding quantizes it; `default_bits` never does. `vocoder_dtype` (bfloat16 or
+    float16) loads the speech tokenizer's decoder in 16 bits.
     """
     if not isinstance(data, dict):
         raise ValueError(f"a recipe is a mapping, got {type(data).__name__}")
-    unknown = set(data) - {"name", "description", "default_bits", "default_group_size", "rules"}
+    unknown = set(data) - {"name", "description", "default_bits", "default_group_size", "rules",
+                           "vocoder_dtype"}  # fmt: skip
     if unknown:
         raise ValueError(f"unknown recipe field(s): {', '.join(sorted(unknown))}")
     group = _group(data.get("default_group_size", 64), "default_group_size")
@@ -196,8 +238,11 @@ def recipe_from_dict(data: dict, *, default_name: str = "custom") -> Recipe:
     name = data.get("name") or default_name
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", name):
         raise ValueError(f"recipe name {name!r}: use letters, digits and . _ + -")
+    vocoder = data.get("vocoder_dtype")
+    if vocoder is not None and vocoder not in VOCODER_DTYPES:
+        raise ValueError(f"vocoder_dtype must be one of {VOCODER_DTYPES} or null, got {vocoder!r}")
     return Recipe(name, _bits(data.get("default_bits"), "default_bits"), group, tuple(rules),
-                  str(data.get("description", "")))  # fmt: skip
+                  str(data.get("description", "")), vocoder)  # fmt: skip
 
 
 def load_recipe(spec: str) -> Recipe:

@@ -50,7 +50,9 @@ def resolve_model(
     if local_config is not None:
         quant = local_config.get("quantization") or local_config.get("quantization_config")
         if quant:
-            found = f"{quant.get('bits')}bit"
+            # A checkpoint `qwen3-tts quantize` wrote from a built-in recipe carries its name.
+            recipe = local_config.get("qwen3_tts_recipe")
+            found = recipe if recipe in RECIPES else f"{quant.get('bits')}bit"
             if variant is not None and variant != found:
                 raise ValueError(
                     f"{name} is already quantized ({found}); variant {variant!r} needs a "

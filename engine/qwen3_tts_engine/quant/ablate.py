@@ -7,7 +7,8 @@ the most damaging components are kept at higher precision one at a time until th
 fits the budget; that recipe is proposed (the smallest of those tried that passes).
 
 The treatment is round-to-nearest at `bits`, or, with `donor`, the modules of another checkpoint
-(any quantized or modified copy of the reference) grafted into the reference.
+(any quantized or modified copy of the reference) grafted into the reference. "Everything"
+holds the embeddings only when the ablation names their components (the default names all).
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from qwen3_tts_engine.log import logger
-from qwen3_tts_engine.models.components import COMPONENTS, all_but, component_paths, only, protect
+from qwen3_tts_engine.models.components import (
+    COMPONENTS,
+    EMBEDDING_COMPONENTS,
+    all_but,
+    component_paths,
+    only,
+    protect,
+)
 from qwen3_tts_engine.models.loading import quantizable_modules
 from qwen3_tts_engine.models.recipes import recipe_to_dict
 
@@ -29,13 +37,20 @@ def damage(entry: dict) -> float:
     return m["cb0_kl"]["mean"] + m["cp_kl"]["mean"]
 
 
+def _embeddings(components: list[str]) -> list[str]:
+    """The embedding components an ablation studies: "everything" holds them only if named."""
+    return [c for c in components if c in EMBEDDING_COMPONENTS]
+
+
 def _stage1(model, components: list[str], bits: int, group_size: int,
             donor: Path | None) -> list[Candidate]:  # fmt: skip
+    emb = _embeddings(components)
     if donor is None:
         return [c for comp in components
                 for c in (Candidate(f"only-{comp}", recipe=only(comp, bits, group_size)),
-                          Candidate(f"all-but-{comp}", recipe=all_but(comp, bits, group_size)))]  # fmt: skip
-    everything = {p for p, _ in quantizable_modules(model)}
+                          Candidate(f"all-but-{comp}", recipe=all_but(comp, bits, group_size, emb)))]  # fmt: skip
+    left_out = {p for c in EMBEDDING_COMPONENTS if c not in emb for p in component_paths(model, c)}
+    everything = {p for p, _ in quantizable_modules(model)} - left_out
     out = []
     for comp in components:
         mine = set(component_paths(model, comp))
@@ -89,7 +104,7 @@ def _propose(ref: Reference, report: dict, ranking: list[dict], bits: int, group
     tried = []
     for n in range(len(ranking) + 1):
         kept = [r["component"] for r in ranking[:n]]
-        recipe = protect(kept, bits, group_size, keep_bits)
+        recipe = protect(kept, bits, group_size, keep_bits, _embeddings([r["component"] for r in ranking]))
         sub = evaluate(ref.path, [Candidate(recipe.name, recipe=recipe)], ref.settings,
                        progress=progress, reference=ref)["candidates"][0]  # fmt: skip
         report["candidates"].append(sub)

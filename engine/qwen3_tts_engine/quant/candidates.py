@@ -7,14 +7,12 @@ the reference with some modules taken from another checkpoint (ablation of any c
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from qwen3_tts_engine.models.components import component_paths
-from qwen3_tts_engine.models.loading import apply_recipe, recipe_plan
+from qwen3_tts_engine.models.loading import apply_recipe, load_checkpoint, recipe_plan
 from qwen3_tts_engine.models.recipes import Recipe, recipe_to_dict
 
 METHODS = ("reference", "rtn", "gptq", "checkpoint", "graft")
@@ -47,14 +45,9 @@ class Candidate:
 
 
 def load_dir(path: Path):
-    """An mlx-audio model with its tokenizers (mlx-audio prints progress: keep stdout clean)."""
-    from mlx_audio.tts.utils import load_model
-
-    with contextlib.redirect_stdout(sys.stderr):
-        model = load_model(Path(path))
-    if model.tokenizer is None or model.speech_tokenizer is None:
-        raise RuntimeError(f"{path}: the text tokenizer or speech tokenizer failed to load")
-    return model
+    """An mlx-audio model with its tokenizers, the speech-tokenizer encoder included (Base
+    checkpoints evaluate with reference audio)."""
+    return load_checkpoint(Path(path), keep_encoder=True)
 
 
 def graft(model, donor, paths) -> None:

@@ -90,14 +90,15 @@ def _need_audio_metrics() -> None:
 
 def _candidates(specs: list[str], gptq: list[str]):
     """Candidates from names, recipe files and checkpoint dirs (+ a GPTQ twin per recipe)."""
-    from qwen3_tts_engine.models.components import COMPONENTS
+    from qwen3_tts_engine.models.components import COMPONENTS, EMBEDDING_COMPONENTS
     from qwen3_tts_engine.models.recipes import RECIPES, load_recipe
 
     from .candidates import Candidate
 
-    bad = [c for c in gptq if c not in COMPONENTS]
+    linear = [c for c in COMPONENTS if c not in EMBEDDING_COMPONENTS]  # GPTQ solves for matmuls
+    bad = [c for c in gptq if c not in linear]
     if bad:
-        raise ValueError(f"unknown --gptq component(s) {', '.join(bad)}; components: {', '.join(COMPONENTS)}")
+        raise ValueError(f"unknown --gptq component(s) {', '.join(bad)}; GPTQ components: {', '.join(linear)}")
     out = []
     for spec in specs:
         path = Path(spec).expanduser()

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from qwen3_tts_engine.log import logger
 from qwen3_tts_engine.protocol import SpeechRequest
 
-from .worker import worker_main
+from .worker import renice, worker_main
 
 _ids = itertools.count(1)
 
@@ -77,6 +77,7 @@ class Handler:
         self.restart = restart
         self.load_timeout = load_timeout
         self.name = f"{model}:{variant or 'default'}#{next(_ids)}"
+        self.nice = 0  # the worker's niceness while it starts (set_nice changes it later)
         self.state = "stopped"  # starting | ready | draining | failed | stopped
         self.info: dict = {}
         self.restarts = 0
@@ -124,7 +125,8 @@ class Handler:
         self._ready.clear()
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
-        spec = {"model": self.model, "variant": self.requested_variant, "warmup": self.warmup}
+        spec = {"model": self.model, "variant": self.requested_variant, "warmup": self.warmup,
+                "nice": self.nice}  # fmt: skip
         self._proc = ctx.Process(target=worker_main, args=(child, spec), daemon=True,
                                  name=f"qwen3-tts-worker {self.name}")  # fmt: skip
         self._proc.start()
@@ -204,6 +206,17 @@ class Handler:
         self._kill()
         self.state = "stopped"
         self._ready.clear()
+
+    def set_nice(self, value: int) -> bool:
+        """The worker's CPU priority now (all its threads); False if the OS refused."""
+        if self._proc is None or not self._proc.is_alive():
+            return False
+        ok = renice(self._proc.pid, value)
+        if ok:
+            self.nice = value
+        else:
+            logger.warning("handler %s: cannot set niceness %d (needs CAP_SYS_NICE)", self.name, value)
+        return ok
 
     async def memory(self) -> dict:
         """Worker memory: RSS from the OS plus mlx's own counters from the last report."""

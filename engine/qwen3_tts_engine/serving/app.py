@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from qwen3_tts_engine.audio import AudioEncoder, encode_whole
 from qwen3_tts_engine.governor.governor import Governor, SwapRecord
 from qwen3_tts_engine.log import logger
+from qwen3_tts_engine.models.footprint import breakdown
 from qwen3_tts_engine.protocol import (
     CONTENT_TYPES,
     HEADER_MODEL,
@@ -204,13 +205,15 @@ class EngineServer:
             return error_response(RequestError("missing or wrong bearer token", status=401))
         handlers = []
         for h in self.engine.all_handlers():
-            info = {k: v for k, v in h.info.items() if k != "quantized_modules"}
+            info = {k: v for k, v in h.info.items() if k not in ("quantized_modules", "footprint")}
+            memory = await h.memory()
             handlers.append(HandlerStatus(
                 name=h.name, variant=h.variant, state=h.state, pid=h.pid,
                 active=h is self.engine.active, retiring=h in self.engine.retiring,
                 queue_depth=h.queue_depth, waiting=h.waiting, restarts=h.restarts,
-                last_stats=h.last_stats, memory=await h.memory(), info=info,
+                last_stats=h.last_stats, memory=memory, info=info,
                 quantized_modules=len(h.info.get("quantized_modules", {})),
+                footprint=breakdown(h.info.get("footprint"), memory) if memory else {},
             ))  # fmt: skip
         governor = await self.governor.status() if self.governor is not None else None
         status = EngineStatus(model=self.engine.model, active_variant=self.engine.active.variant,

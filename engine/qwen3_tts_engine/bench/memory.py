@@ -1,0 +1,201 @@
+"""Per-rung process memory of an engine worker on the real Qwen3-TTS 0.6B architecture.
+
+Random weights at the real sizes (talker, speech tokenizer); each rung is quantized into the
+cache in a child process, then loaded by a fresh engine worker: memory after load
+and after one synthesis. `qwen3-tts bench --real-size-memory` or `python -m` this module (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+from qwen3_tts_engine.protocol import SpeechRequest
+from qwen3_tts_engine.runtime.handler import Handler, Result
+
+DEFAULT_RUNGS = ("bf16", "8bit", "4bit", "4bit-emb8", "4bit-emb4", "4bit-emb4-voc16")
+TEXT = "Memory, measured after one sentence."
+# One short chunk: the vocoder runs once. No warm-up besides it: quantized matmuls run ~7x slower
+# than bf16 ones on mlx-cpu, so a real-size frame costs about a minute on 2 cores.
+FRAMES = 2
+MB = 10**6
+# Keys of the talker config that set its size (the rest: token ids, languages, speakers).
+_SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "text_hidden_size", "rope_scaling")  # fmt: skip
+
+
+def real_size_dir() -> Path:
+    from qwen3_tts_engine.models.loading import cache_root
+
+    return cache_root() / "real-size" / "custom_voice-0b6-seed0"
+
+
+def write_real_size_checkpoint(out: Path, seed: int = 0) -> Path:
+    """A CustomVoice checkpoint with the real 0.6B sizes and random weights (bf16 talker, float32
+    speech tokenizer, ~2.5 GB): the tiny checkpoint's tokenizer, ids and speakers, scaled up."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
+    from mlx_audio.tts.models.qwen3_tts.config import (
+        Qwen3TTSTokenizerConfig,
+        Qwen3TTSTokenizerDecoderConfig,
+        Qwen3TTSTokenizerEncoderConfig,
+    )
+    from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import Qwen3TTSSpeechTokenizer
+
+    from qwen3_tts_engine.testing import tiny_checkpoint as tiny
+
+    config = tiny.tiny_config("custom_voice")
+    real = dataclasses.asdict(ModelConfig.from_dict(
+        {"tts_model_type": "custom_voice", "tts_model_size": "0b6"}).talker_config)  # fmt: skip
+    talker = config["talker_config"]
+    talker.update({k: real[k] for k in _SIZE_KEYS})
+    talker["code_predictor_config"].update(
+        {k: real["code_predictor_config"][k] for k in (*_SIZE_KEYS[:6], "layer_types")})
+    out.mkdir(parents=True, exist_ok=True)
+    model = Model(ModelConfig.from_dict(config))
+    mx.random.seed(seed)
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        if value.ndim == 1:
+            w = mx.ones(value.shape)
+        else:
+            w = mx.random.normal(value.shape) * (1.0 if "embedding" in name else value.shape[-1] ** -0.5)
+        weights[name] = w.astype(mx.bfloat16)
+        mx.eval(weights[name])
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    del weights, model
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tiny.write_tokenizer(out)
+    st_config = tiny._speech_tokenizer_config()
+    st_config["decoder_config"] = dataclasses.asdict(Qwen3TTSTokenizerDecoderConfig())
+    st_config["encoder_config"] = {**st_config["encoder_config"],
+                                   **dataclasses.asdict(Qwen3TTSTokenizerEncoderConfig())}  # fmt: skip
+    st = Qwen3TTSSpeechTokenizer(Qwen3TTSTokenizerConfig(
+        encoder_config=Qwen3TTSTokenizerEncoderConfig(), decoder_config=Qwen3TTSTokenizerDecoderConfig()))  # fmt: skip
+    _, hf = tiny._speech_tokenizer_weights(st, seed)
+    (out / "speech_tokenizer").mkdir(exist_ok=True)
+    mx.save_safetensors(str(out / "speech_tokenizer" / "model.safetensors"),
+                        {k: hf[k] for k in sorted(hf)}, metadata={"format": "pt"})  # fmt: skip
+    (out / "speech_tokenizer" / "config.json").write_text(json.dumps(st_config, indent=2))
+    return out
+
+
+def _child(target, *args):
+    """Run `target(*args)` in a spawned process (its memory is returned to the system after)."""
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=target, args=args)
+    p.start()
+    p.join()
+    if p.exitcode:
+        raise RuntimeError(f"{target.__name__}{args} failed (exit code {p.exitcode})")
+
+
+def _prepare(model: str, rung: str) -> None:
+    from qwen3_tts_engine.models.loading import prepare
+    from qwen3_tts_engine.models.variants import resolve
+
+    prepare(resolve(model, rung), progress=False)
+
+
+def _mb(v) -> float | None:
+    return round(v / MB, 1) if v is not None else None
+
+
+async def measure_rung(model: str, rung: str, frames: int = FRAMES) -> dict:
+    """One fresh engine worker for `rung`: memory after load and after one synthesis."""
+    h = Handler(model, rung, warmup=False)
+    info = await h.start()
+    peak = 0
+
+    async def sample() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, (await h.memory()).get("rss_bytes", 0))
+            await asyncio.sleep(0.05)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        result = Result()
+        voice = (info["voices"] or [None])[0]
+        t0 = time.perf_counter()
+        n = 0
+        async for chunk in h.synthesize(SpeechRequest(input=TEXT, voice=voice, seed=0, language="english",
+                                                      max_new_tokens=frames), result=result):  # fmt: skip
+            n += chunk.frames
+        synth_s = time.perf_counter() - t0
+        sampler.cancel()
+        await asyncio.sleep(0.5)  # the worker releases freed memory once the stream is done
+        after = await h.memory()
+    finally:
+        sampler.cancel()
+        await h.stop(drain=False)
+    fp = info.get("footprint", {})
+    loaded, warm = fp.get("loaded", {}), info.get("memory", {})
+    weights = fp.get("talker_bytes", 0) + fp.get("speech_tokenizer_bytes", 0) + fp.get("speaker_encoder_bytes", 0)
+    return {
+        "rung": rung, "quantized_modules": len(info.get("quantized_modules", {})),
+        "load_s": info.get("load_s"), "synthesis_s": synth_s, "frames": n,
+        "mb": {
+            "talker_weights": _mb(fp.get("talker_bytes")),
+            "speech_tokenizer": _mb(fp.get("speech_tokenizer_bytes")),
+            "speaker_encoder": _mb(fp.get("speaker_encoder_bytes")),
+            "rss_after_load": _mb(loaded.get("rss_bytes")),
+            "rss_before_synthesis": _mb(warm.get("rss_bytes")),
+            "rss_peak_during_synthesis": _mb(peak),
+            "rss_after_synthesis": _mb(after.get("rss_bytes")),
+            "runtime": _mb(after.get("rss_bytes", 0) - weights),  # interpreter, libraries, caches
+            "mlx_active_after_synthesis": _mb(after.get("mlx_active_bytes")),
+            "mlx_cache_after_synthesis": _mb(after.get("mlx_cache_bytes")),
+            "mlx_peak": _mb(after.get("mlx_peak_bytes")),
+            "kv_per_frame": round(fp.get("kv_bytes_per_frame", 0) / MB, 4),
+        },
+    }  # fmt: skip
+
+
+def run_memory_bench(rungs=DEFAULT_RUNGS, model: str | None = None, progress=print) -> dict:
+    if model is None:
+        path = real_size_dir()
+        if not (path / "speech_tokenizer" / "config.json").is_file():
+            progress(f"writing the real-size checkpoint to {path} ...")
+            _child(write_real_size_checkpoint, path)
+        model = str(path)
+    out = {"model": model, "text": TEXT, "frames": FRAMES, "rungs": {}}
+    for rung in rungs:
+        progress(f"  {rung}: quantizing into the cache (child process)")
+        _child(_prepare, model, rung)
+        progress(f"  {rung}: fresh worker")
+        out["rungs"][rung] = asyncio.run(measure_rung(model, rung))
+        progress(f"  {rung}: {out['rungs'][rung]['mb']}")
+    bf16 = out["rungs"].get("bf16", {}).get("mb", {})
+    if bf16:
+        out["ratio_to_bf16"] = {
+            key: {r: round(v["mb"][key] / bf16[key], 3) for r, v in out["rungs"].items()}
+            for key in ("rss_after_load", "rss_peak_during_synthesis", "rss_after_synthesis")
+        }  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--variants", default=",".join(DEFAULT_RUNGS))
+    p.add_argument("--model", help="a full-precision checkpoint (default: real-size random weights)")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    rungs = [v.strip() for v in args.variants.split(",") if v.strip()]
+    report = run_memory_bench(rungs, args.model, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
