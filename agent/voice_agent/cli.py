@@ -92,12 +92,22 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="machine-readable report")
     add_arguments(d)
     b = sub.add_parser("bench", help="how soon the agent answers (tuned vs baseline settings); "
-                       "TTS under LLM contention (JSON)")
+                       "TTS under LLM contention; `bench soak`: calls under injected faults (JSON)")
+    b.add_argument("suite", nargs="?", choices=["soak"], help="soak: callers keep calling a real "
+                   "livekit-server (two workers, one engine) while faults are injected")
     b.add_argument("--turns", type=int, default=6, help="plain spoken questions per configuration")
     b.add_argument("--paused-turns", type=int, default=5,
                    help="questions with a pause in the middle per configuration")
     b.add_argument("--tts-requests", type=int, default=8)
     b.add_argument("--out", type=Path)
+    soak = b.add_argument_group("soak (`voice-agent bench soak`)")
+    soak.add_argument("--minutes", type=float, default=20.0, help="how long the callers call")
+    soak.add_argument("--callers", type=int, default=2, help="callers calling at the same time")
+    soak.add_argument("--faults", default="all", help="all, none, or a comma-separated list of "
+                      "governor_swap, engine_worker_kill, llm_outage, agent_worker_kill, livekit_restart")
+    soak.add_argument("--short", action="store_true", help="the short version: 2.5 minutes, each fault once")
+    soak.add_argument("--keep", action="store_true", help="keep the work folder (logs) after the run")
+    soak.add_argument("--logs", type=Path, help="copy the processes' logs into this folder at the end")
     add_arguments(b)
     w = sub.add_parser("web", help="the browser client and its LiveKit token endpoint")
     add_arguments(w, WebSettings)
@@ -150,6 +160,23 @@ def _main(argv: list[str] | None = None) -> int:
         from .keeper import run_keeper
 
         return run_keeper(from_args(args, KeeperSettings))
+    if args.command == "bench" and args.suite == "soak":
+        from .soak import parse_faults, run_soak
+
+        try:
+            faults = parse_faults(args.faults)
+        except ValueError as e:
+            print(f"voice-agent: error: {e}", file=sys.stderr)
+            return 2
+        minutes = 2.5 if args.short else args.minutes
+        if minutes <= 0 or args.callers < 1:
+            print("voice-agent: error: --minutes must be > 0 and --callers >= 1", file=sys.stderr)
+            return 2
+        try:
+            return run_soak(minutes, args.callers, faults, args.out, keep=args.keep, logs=args.logs)
+        except (RuntimeError, TimeoutError, FileNotFoundError) as e:
+            print(f"voice-agent: error: {e}", file=sys.stderr)
+            return 1
     from .demo import TurnAudioError, run_demo
     from .local_services import resolve_offline
 

@@ -34,6 +34,16 @@ def history_from_metadata(metadata: str | None) -> list[dict]:
             and isinstance(h.get("text"), str)]  # fmt: skip
 
 
+def is_resume_dispatch(job_metadata: str | None) -> bool:
+    """The job was dispatched by the keeper to take over a lost call (`{"resume": true, ...}`),
+    which may have no history yet (its agent was lost during the first turn)."""
+    try:
+        data = json.loads(job_metadata or "{}")
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("resume") is True
+
+
 def metadata_with_history(metadata: str | None, history: list[dict]) -> str:
     """The room's metadata with our history replaced (other keys are kept)."""
     try:
