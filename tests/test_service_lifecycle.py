@@ -136,10 +136,18 @@ def _assert_nothing_left(env: dict[str, str], ports: tuple[str, ...] = ("TTS_POR
         assert _port_free(int(env[name])), f"{name} {env[name]} is still taken"
 
 
+def _default_sigint() -> None:
+    # An ignored SIGINT is inherited across exec, and LiveKit's process pool sets SIGINT to
+    # SIG_IGN while it starts a process (livekit/agents/ipc/supervised_proc.py, _mask_ctrl_c):
+    # a test in this pytest process that ran one can leave it so. A person's Ctrl-C reaches a
+    # command whose SIGINT has its default action; so does the test's.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_demo(env: dict[str, str], cwd: Path, log: Path, *args: str) -> subprocess.Popen:
     with open(log, "wb") as fh:
         return subprocess.Popen([EXE, "demo", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=fh)  # fmt: skip
+                                stdout=subprocess.DEVNULL, stderr=fh, preexec_fn=_default_sigint)  # fmt: skip
 
 
 def _service_started(env: dict[str, str], which: str) -> psutil.Process | None:
