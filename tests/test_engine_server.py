@@ -33,7 +33,7 @@ async def server(tiny_checkpoint, tmp_path_factory):
     ref_dir = tmp_path_factory.mktemp("voices")
     (ref_dir / "me.wav").write_bytes(b"RIFF\x24\x00\x00\x00WAVEfmt " + b"\x00" * 32)
     engine = Engine(str(tiny_checkpoint("custom_voice")),
-                    [Handler(str(tiny_checkpoint("custom_voice")), max_queue=2)])  # fmt: skip
+                    [Handler(str(tiny_checkpoint("custom_voice")), max_queue=2, max_batch=2)])  # fmt: skip
     srv = EngineServer(engine, ServerConfig(port=0, api_key=API_KEY, ref_audio_dir=ref_dir,
                                             max_body_bytes=256 * 1024))  # fmt: skip
     await srv.start()
@@ -102,34 +102,43 @@ async def test_disconnect_mid_stream_frees_the_handler_within_one_chunk(server, 
     stats = handler.last_stats
     assert stats["cancelled"]
     # Flow control: beyond the chunks the client got (whole or in part), the worker made at most
-    # the one it was working on when the client left.
+    # the one it may make ahead and the one it was working on when the client left.
     chunk_bytes = 4 * FRAME_SAMPLES * 2
-    assert stats["frames"] <= 4 * (math.ceil(received / chunk_bytes) + 1), (received, stats)
+    assert stats["frames"] <= 4 * (math.ceil(received / chunk_bytes) + 2), (received, stats)
     # The next request is served normally.
     r = await client.post("/v1/audio/speech", json=body(max_new_tokens=4, response_format="pcm"))
     assert r.status_code == 200 and len(r.content) == 4 * FRAME_SAMPLES * 2
 
 
 async def test_a_paused_consumer_pauses_synthesis(server):
-    """Flow control: while the consumer holds the first chunk, the worker makes nothing more.
+    """Flow control: while the consumer holds the first chunk, the worker makes one more (it
+    stays one chunk ahead) and then nothing.
 
-    A memory query is answered by the worker between two frames, or at once while it waits
-    for the consumer; after its answer, closing the stream leaves exactly the 4 frames taken
-    (a worker that synthesized ahead would be on frame 5 or later by then)."""
+    Once the second chunk has arrived (unread), a memory query is answered by the worker
+    between two steps, or at once while its only stream is paused; after its answer, closing
+    the stream leaves exactly the 8 frames made (a worker that went on would be on frame 9 or
+    later by then)."""
     handler = server.engine.active
     req = parse_speech_request(body(stream=True, response_format="pcm", max_new_tokens=400), Limits())
     chunks = server.engine.stream(req)
     first = await anext(chunks)
     assert first.frames == 4
-    handler._conn.send(("memory",))
+    (unread,) = handler._streams.values()
     for _ in range(6000):
-        if handler._inbox.qsize():
+        if unread.qsize():
             break
         await asyncio.sleep(0.01)
-    assert handler._inbox.qsize()
+    assert unread.qsize() == 1  # the second chunk, made while the consumer held the first
+    answered = handler.memory_reports
+    handler._conn.send(("memory",))
+    for _ in range(6000):
+        if handler.memory_reports > answered:
+            break
+        await asyncio.sleep(0.01)
+    assert handler.memory_reports > answered
     await chunks.aclose()
     assert handler.in_flight == 0
-    assert handler.last_stats["cancelled"] and handler.last_stats["frames"] == 4, handler.last_stats
+    assert handler.last_stats["cancelled"] and handler.last_stats["frames"] == 8, handler.last_stats
 
 
 async def test_killed_worker_gives_an_error_then_recovers(server, client):
@@ -197,14 +206,23 @@ async def test_auth_is_required(server):
         assert (await c.get("/health")).status_code == 200
 
 
-async def test_full_queue_answers_429_with_retry_after(client):
-    long = body(stream=False, response_format="pcm", max_new_tokens=8)
-    tasks = [asyncio.create_task(client.post("/v1/audio/speech", json=long)) for _ in range(2)]
-    await asyncio.sleep(0.3)  # one in flight, one waiting: the queue (max 2) is full... almost
-    extra = [asyncio.create_task(client.post("/v1/audio/speech", json=long)) for _ in range(2)]
+async def test_full_queue_answers_429_with_retry_after(server, client):
+    handler = server.engine.active
+    long = body(stream=False, response_format="pcm", max_new_tokens=24)
+    n = handler.max_batch + handler.max_queue  # a full batch and a full queue
+
+    def post():
+        return asyncio.create_task(client.post("/v1/audio/speech", json=long, timeout=300))
+
+    tasks = [post() for _ in range(n)]
+    for _ in range(6000):
+        if handler.queue_depth == n or any(t.done() for t in tasks):
+            break
+        await asyncio.sleep(0.01)
+    extra = [post() for _ in range(2)]
     statuses = sorted(r.status_code for r in await asyncio.gather(*tasks, *extra))
-    assert statuses.count(200) >= 2 and 429 in statuses
-    rejected = [r for r in [t.result() for t in extra] if r.status_code == 429]
+    assert statuses.count(200) >= n and 429 in statuses
+    rejected = [r for r in [t.result() for t in (*tasks, *extra)] if r.status_code == 429]
     assert rejected[0].headers["Retry-After"]
 
 

@@ -38,8 +38,8 @@ def body(frames: int, seed: int = 1, stream: bool = True) -> dict:
             "seed": seed, "max_new_tokens": frames, "stream": stream, "response_format": "pcm"}  # fmt: skip
 
 
-async def start_server(model, probe, policy, **governor_kw) -> EngineServer:
-    engine = Engine(str(model), [Handler(str(model), policy.ladder[0])])
+async def start_server(model, probe, policy, max_batch: int = 8, **governor_kw) -> EngineServer:
+    engine = Engine(str(model), [Handler(str(model), policy.ladder[0], max_batch=max_batch)])
     governor = Governor(engine, probe, policy, interval_s=0.05, allow_unevaluated=("all",), **governor_kw)
     server = EngineServer(engine, ServerConfig(port=0, api_key=API_KEY), governor)
     await server.start()
@@ -170,7 +170,7 @@ async def tight(tiny_checkpoint):
     probe = ManualProbe(limit_bytes=1 * GB, pressure=0.5)
     policy = Policy(LADDER, downgrade_at=0.8, upgrade_at=0.1, downgrade_hold_s=0.2, cooldown_s=5.0,
                     critical_at=0.99)  # fmt: skip
-    server = await start_server(model, probe, policy)
+    server = await start_server(model, probe, policy, max_batch=2)
     yield server, probe
     await server.stop()
 
@@ -181,9 +181,13 @@ async def test_break_before_make_swaps_without_a_failed_request(tight):
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", headers=AUTH,
                                  timeout=httpx.Timeout(180)) as c:  # fmt: skip
         speaking = Stream(c, body(12))
+        alongside = Stream(c, body(12, seed=5))  # the batch (2) is full with these two
         await speaking.first.wait()
-        queued = Stream(c, body(4, seed=2))  # waits behind it on bf16
-        await asyncio.sleep(0.2)
+        await alongside.first.wait()
+        queued = Stream(c, body(4, seed=2))  # waits behind them on bf16
+        handler = server.engine.active
+        while handler.waiting < 1:
+            await asyncio.sleep(0.01)
         probe.set(0.9)  # 0.9 + a ~0.4 GB worker > 0.95 of 1 GB: no room for both
         while gov.swapping is None:
             await asyncio.sleep(0.02)
@@ -192,12 +196,13 @@ async def test_break_before_make_swaps_without_a_failed_request(tight):
         arriving = [Stream(c, body(4, seed=s)) for s in (3, 4)]  # arrive in the gap: they wait
         rec = await wait_for_swap(gov, 1)
         probe.set(0.6)  # the stopped bf16 worker's memory came back
-        results = [await s.done() for s in (speaking, queued, *arriving)]
+        results = [await s.done() for s in (speaking, alongside, queued, *arriving)]
 
     assert rec.mode == BREAK_BEFORE_MAKE and (rec.from_variant, rec.to_variant) == ("bf16", "8bit")
     assert rec.drain_s > 0.2 and rec.cut == 0  # it waited for the speaking utterance
     assert all(r.status == 200 for r in results)
-    assert speaking.variant == "bf16" and len(speaking.pcm) == 12 * FRAME_SAMPLES * 2
+    for r in (speaking, alongside):  # the utterances in the batch finished on bf16
+        assert r.variant == "bf16" and len(r.pcm) == 12 * FRAME_SAMPLES * 2
     for r in (queued, *arriving):
         assert r.variant == "8bit" and len(r.pcm) == 4 * FRAME_SAMPLES * 2
     assert server.engine.handlers.keys() == {"8bit"} and not server.engine.retiring

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .audio import pcm16, write_wav
 from .protocol import (
+    DEFAULT_MAX_BATCH,
     SAMPLE_RATE,
     EngineStatus,
     RequestError,
@@ -79,7 +80,7 @@ def build_server(args: argparse.Namespace):
     policy = _policy(args)
     # An explicit ladder without --variant starts at its top; otherwise the model's default.
     variants = args.variant or ([policy.ladder[0]] if args.ladder_given else [None])
-    handlers = [Handler(model, v, max_queue=args.max_queue) for v in variants]
+    handlers = [Handler(model, v, max_queue=args.max_queue, max_batch=args.max_batch) for v in variants]
     config = ServerConfig(
         host=args.host, port=args.port, api_key=os.environ.get(API_KEY_ENV) or None,
         operator_key=os.environ.get(OPERATOR_KEY_ENV) or None, insecure_no_auth=args.insecure_no_auth,
@@ -263,6 +264,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from qwen3_tts_engine.bench.formats import run_formats_bench
 
         return run_formats_bench(args)
+    if args.what == "concurrency":
+        from qwen3_tts_engine.bench.concurrency import run_concurrency_bench
+
+        args.frames = args.frames or 32
+        return run_concurrency_bench(args)
+    args.frames = args.frames or 8
     if args.what == "spawn":
         from qwen3_tts_engine.bench.spawn import run_spawn_bench
 
@@ -380,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "reach the port may synthesize and read the status (warned at every start)")
     s.add_argument("--ref-audio-dir", help="folder whose files ref_audio may name")
     s.add_argument("--max-queue", type=int, default=32)
+    s.add_argument("--max-batch", type=_positive_int, default=DEFAULT_MAX_BATCH, metavar="N",
+                   help="syntheses one worker runs together (continuous batching); more wait "
+                        f"in its queue (default {DEFAULT_MAX_BATCH})")
     s.add_argument("--max-input-chars", type=int, default=4000)
     s.add_argument("--voice-alias", action=_VoiceAlias, metavar="NAME=VOICE",
                    help="a voice name requests may use for one of the model's voices (repeatable; "
@@ -428,17 +438,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parsers(sub)
 
-    b = sub.add_parser("bench", help="benchmarks (JSON): engine (default), swap, spawn or formats")
-    b.add_argument("what", nargs="?", choices=["engine", "swap", "spawn", "formats"], default="engine",
+    b = sub.add_parser("bench", help="benchmarks (JSON): engine (default), swap, spawn, formats "
+                       "or concurrency")
+    b.add_argument("what", nargs="?", choices=["engine", "swap", "spawn", "formats", "concurrency"],
+                   default="engine",
                    help="engine: per-variant latency and memory; swap: governor swap latency, "
                    "audio gap and memory in both swap modes; spawn: a worker's start-up cost "
                    "besides loading weights; formats: first byte and encode cost per response "
-                   "format, as ratios to pcm")
+                   "format, as ratios to pcm; concurrency: many streams on one model "
+                   "(continuous batching): first audio, real-time factor and frames/s per level")
     b.add_argument("--variants", default="bf16,8bit,6bit,4bit,talker-mlp-w4")
     b.add_argument("--model", help="checkpoint (default: a tiny random one)")
     b.add_argument("--repeats", type=int, default=5)
-    b.add_argument("--frames", type=_positive_int, default=8,
-                   help="engine: frames per request (default 8: first audio and one more chunk)")
+    b.add_argument("--frames", type=_positive_int, default=None,
+                   help="frames per request (engine: default 8, first audio and one more chunk; "
+                        "concurrency: default 32)")
+    b.add_argument("--streams", type=_client_levels, default=(1, 2, 4, 8),
+                   help="concurrency: levels, comma-separated (default 1,2,4,8)")
+    b.add_argument("--no-http", action="store_true",
+                   help="concurrency: in-process paths only (no server)")
     b.add_argument("--clients", type=_client_levels, default=(1, 2, 4),
                    help="engine: concurrency levels, comma-separated (default 1,2,4)")
     b.add_argument("--plain-loads", type=_positive_int, default=2,

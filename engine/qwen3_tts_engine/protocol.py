@@ -16,6 +16,8 @@ FRAME_RATE = 12.5
 FRAME_SAMPLES = 1920  # one 80 ms codec frame at 24 kHz
 CHUNK_FRAMES = 4  # a 4-token chunk: 320 ms, 7680 samples
 BYTES_PER_SAMPLE = 2  # s16le mono
+# Syntheses one handler worker advances together (continuous batching; `serve --max-batch`).
+DEFAULT_MAX_BATCH = 8
 
 # Response headers the engine sets; the client reads them.
 HEADER_VARIANT = "X-Qwen3-TTS-Variant"
@@ -316,6 +318,9 @@ class HandlerStatus:
     # The worker's process memory by part: weights (talker, speech tokenizer, speaker encoder),
     # runtime (the rest of the process) and the KV bytes a stream adds per frame.
     footprint: dict = field(default_factory=dict)
+    # Continuous batching in the worker: active_streams, max_batch, step_s_p50/p95 (one talker
+    # step for all streams), batch_occupancy (mean rows per step / max_batch), kv_bytes(_per_stream).
+    batching: dict = field(default_factory=dict)
 
 
 @dataclass

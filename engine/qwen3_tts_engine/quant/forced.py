@@ -2,8 +2,8 @@
 
 One talker pass over the prompt plus all reference frames gives codebook 0's distribution at
 every step (and after the last frame, where the reference stopped); one code-predictor pass over
-all frames at once gives the 15 heads'. The inputs are built exactly as synthesis._frames builds
-them step by step, so forced along its own codes a model gives the logits its sampler saw.
+all frames at once gives the 15 heads'. The inputs are built exactly as the scheduler's steps build
+them (runtime/scheduler.py), so forced along its own codes a model gives the logits its sampler saw.
 Distributions are the model's own (temperature 1, no top-k/top-p or repetition penalty) over the
 tokens the sampler may pick (codebook 0's control tokens other than EOS are suppressed).
 """

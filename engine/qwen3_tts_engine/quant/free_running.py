@@ -5,24 +5,23 @@ from __future__ import annotations
 import numpy as np
 
 from qwen3_tts_engine.protocol import SpeechRequest
-from qwen3_tts_engine.runtime.synthesis import SynthesisStats, _check_request, _frames
+from qwen3_tts_engine.runtime.scheduler import Scheduler
 
 
 def generate_codes(model, req: SpeechRequest) -> tuple[np.ndarray, bool]:
     """Codes [T, 16] for `req.input` as one prompt (no sentence split), and whether T hit the cap."""
-    import mlx.core as mx
-
-    voice, instruct = _check_request(model, req)
-    options = model._resolve_generation_options(
-        req.temperature, None, req.top_k, req.top_p, req.repetition_penalty
-    )
-    if req.seed is not None:
-        mx.random.seed(req.seed)
-    stats = SynthesisStats()
-    frames = [np.array(f[0]) for f in _frames(model, req.input, req, voice, instruct, None,
-                                              options, lambda: False, stats)]  # fmt: skip
-    codes = np.stack(frames).astype(np.int32) if frames else np.zeros((0, 16), np.int32)
-    return codes, stats.hit_token_cap
+    scheduler = Scheduler(model, max_batch=1)
+    stream = scheduler.add("codes", req, decode=False, split=False)
+    chunks: list[np.ndarray] = []
+    while True:
+        for event in scheduler.step():
+            if event.kind == "chunk":
+                chunks.append(event.chunk.codes)
+            elif event.kind == "error":
+                raise event.error
+            else:
+                codes = np.concatenate(chunks).astype(np.int32) if chunks else np.zeros((0, 16), np.int32)
+                return codes, stream.stats.hit_token_cap
 
 
 def first_divergence(ref: np.ndarray, cand: np.ndarray) -> int:

@@ -1,8 +1,9 @@
 """A handler: one loaded model in one precision, in its own worker process, as an async unit.
 
-It is started (load + warm-up), serves one synthesis at a time with a FIFO queue whose wait is
-measured, can be drained and stopped, and restarts its worker when that dies. The governor swaps
-handlers; the server routes requests to them.
+It is started (load + warm-up), serves up to `max_batch` syntheses at once (its worker batches
+them: `scheduler.py`) with a FIFO queue for the rest whose wait is measured, can be drained and
+stopped, and restarts its worker when that dies. The governor swaps handlers; the server routes
+requests to them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from qwen3_tts_engine.log import logger
-from qwen3_tts_engine.protocol import SpeechRequest
+from qwen3_tts_engine.protocol import DEFAULT_MAX_BATCH, SpeechRequest
 
 from .worker import renice, worker_main
 
@@ -69,13 +70,17 @@ class Handler:
         max_queue: int = 32,
         restart: bool = True,
         load_timeout: float = 1800.0,
+        max_batch: int = DEFAULT_MAX_BATCH,
     ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.model = model
         self.requested_variant = variant
         self.warmup = warmup
         self.max_queue = max_queue
         self.restart = restart
         self.load_timeout = load_timeout
+        self.max_batch = max_batch
         self.name = f"{model}:{variant or 'default'}#{next(_ids)}"
         self.nice = 0  # the worker's niceness while it starts (set_nice changes it later)
         self.state = "stopped"  # starting | ready | draining | failed | stopped
@@ -83,16 +88,19 @@ class Handler:
         self.restarts = 0
         self.last_stats: dict | None = None  # the worker's stats of the last finished synthesis
         self.history: collections.deque[dict] = collections.deque(maxlen=256)  # recent stats
+        self.batching: dict = {}  # the worker's scheduler stats (active streams, step times...)
+        self.memory_reports = 0  # memory answers received from the worker
         self.waiting = 0
         self.in_flight = 0
-        self._lock = asyncio.Lock()  # FIFO: one synthesis at a time
+        self._slots = asyncio.Semaphore(max_batch)  # FIFO beyond max_batch streams
         self._idle = asyncio.Event()
         self._idle.set()
         self._ready = asyncio.Event()
         self._draining = asyncio.Event()  # set by drain()/stop(): queued requests leave
         self._proc: mp.process.BaseProcess | None = None
         self._conn = None
-        self._inbox: asyncio.Queue = asyncio.Queue()
+        self._control: asyncio.Queue = asyncio.Queue()  # the worker's start-up answer
+        self._streams: dict[str, asyncio.Queue] = {}  # each running request's messages
         self._loop: asyncio.AbstractEventLoop | None = None
         self._restart_task: asyncio.Task | None = None
         self._stopping = False
@@ -102,7 +110,8 @@ class Handler:
     def sibling(self, variant: str | None) -> Handler:
         """A new, unstarted handler of the same model and options in `variant` (for swaps)."""
         return Handler(self.model, variant, warmup=self.warmup, max_queue=self.max_queue,
-                       restart=self.restart, load_timeout=self.load_timeout)  # fmt: skip
+                       restart=self.restart, load_timeout=self.load_timeout,
+                       max_batch=self.max_batch)  # fmt: skip
 
     @property
     def variant(self) -> str | None:
@@ -126,18 +135,17 @@ class Handler:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         spec = {"model": self.model, "variant": self.requested_variant, "warmup": self.warmup,
-                "nice": self.nice}  # fmt: skip
+                "nice": self.nice, "max_batch": self.max_batch}  # fmt: skip
         self._proc = ctx.Process(target=worker_main, args=(child, spec), daemon=True,
                                  name=f"qwen3-tts-worker {self.name}")  # fmt: skip
         self._proc.start()
         child.close()
         self._conn = parent
-        self._inbox = asyncio.Queue()
-        threading.Thread(target=self._read, args=(parent, self._inbox, self._proc),
-                         daemon=True).start()  # fmt: skip
+        self._control = asyncio.Queue()
+        threading.Thread(target=self._read, args=(parent, self._proc), daemon=True).start()
         t0 = time.perf_counter()
         try:
-            msg = await asyncio.wait_for(self._inbox.get(), self.load_timeout)
+            msg = await asyncio.wait_for(self._control.get(), self.load_timeout)
         except TimeoutError:
             self._kill()
             self.state = "failed"
@@ -154,7 +162,7 @@ class Handler:
                     self._proc.pid, self.info["start_s"])  # fmt: skip
         return self.info
 
-    def _read(self, conn, inbox: asyncio.Queue, proc) -> None:
+    def _read(self, conn, proc) -> None:
         """Reader thread: forwards worker messages to the event loop; EOF means the worker died."""
         loop = self._loop
         while True:
@@ -162,9 +170,32 @@ class Handler:
                 msg = conn.recv()
             except (EOFError, OSError):
                 proc.join(timeout=5)
-                loop.call_soon_threadsafe(inbox.put_nowait, ("died", proc.exitcode))
+                loop.call_soon_threadsafe(self._route, ("died", proc.exitcode), proc)
                 return
-            loop.call_soon_threadsafe(inbox.put_nowait, msg)
+            loop.call_soon_threadsafe(self._route, msg, proc)
+
+    def _route(self, msg: tuple, proc) -> None:
+        """On the event loop: a worker message to the request it is about, or to the handler."""
+        kind = msg[0]
+        if proc is not self._proc:
+            return  # a previous worker's last words (it was replaced)
+        if kind in ("ready", "failed"):
+            self._control.put_nowait(msg)
+        elif kind == "died":
+            for queue in self._streams.values():
+                queue.put_nowait(msg)
+            if self.state == "starting":
+                self._control.put_nowait(msg)
+            elif not self._stopping:
+                self._on_death(msg[1])
+        elif kind == "memory":
+            self.info["memory"] = msg[1]
+            self.memory_reports += 1
+        elif kind == "batching":
+            self.batching = msg[1]
+        elif (queue := self._streams.get(msg[1])) is not None:
+            queue.put_nowait(msg)
+        # a message of a request that is gone (cancelled and acknowledged) is dropped
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.is_alive():
@@ -269,62 +300,56 @@ class Handler:
                 result.queue_wait_s = time.perf_counter() - t0
                 result.variant = self.variant
                 # aclosing: an abandoned stream cancels the worker's synthesis and waits for its
-                # acknowledgement before the lock passes on (not later, when it is collected).
+                # acknowledgement before its slot passes on (not later, when it is collected).
                 async with contextlib.aclosing(self._run(req, ref_audio, result, t0)) as chunks:
                     async for chunk in chunks:
                         yield chunk
             finally:
                 self.in_flight -= 1
-                self._lock.release()
+                self._slots.release()
         finally:
             if self.queue_depth == 0:
                 self._idle.set()
 
     async def _take_turn(self) -> None:
-        """Wait for the FIFO lock; leave the queue with HandlerDraining as soon as the handler
+        """Wait for a free slot (FIFO); leave the queue with HandlerDraining as soon as the handler
         drains, so a swap's new handler serves queued requests without waiting for this one."""
-        acquire = asyncio.ensure_future(self._lock.acquire())
+        acquire = asyncio.ensure_future(self._slots.acquire())
         leave = asyncio.ensure_future(self._draining.wait())
         try:
             await asyncio.wait({acquire, leave}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # cancelled while queued (client went away)
             leave.cancel()
             if not acquire.cancel() and not acquire.cancelled() and acquire.exception() is None:
-                self._lock.release()  # it was granted in the meantime
+                self._slots.release()  # it was granted in the meantime
             raise
         leave.cancel()
         if acquire.cancel():  # still queued: a cancelled acquire never takes the lock
             raise HandlerDraining(f"handler {self.name} is {self.state}")
         if self.state in ("draining", "stopped"):
-            self._lock.release()
+            self._slots.release()
             raise HandlerDraining(f"handler {self.name} is {self.state}")
 
     async def _run(self, req, ref_audio, result: Result, t0: float) -> AsyncIterator[AudioChunk]:
         req_id = f"r{next(_ids)}"
-        while not self._inbox.empty():  # stale messages of an earlier, abandoned request
-            stale = self._inbox.get_nowait()
-            if stale[0] == "died":
-                self._on_death(stale[1])
-                raise HandlerError(f"{self.name}: worker died (exit code {stale[1]})")
-        self._conn.send(("synth", req_id, req.to_dict(), ref_audio))
+        inbox: asyncio.Queue = asyncio.Queue()
+        self._streams[req_id] = inbox
         finished = False
         index = 0
         try:
+            if self.state == "failed" or self._proc is None or not self._proc.is_alive():
+                finished = True
+                raise HandlerError(f"{self.name}: its worker is not running")
+            self._conn.send(("synth", req_id, req.to_dict(), ref_audio))
             while True:
-                msg = await self._inbox.get()
+                msg = await inbox.get()
                 kind = msg[0]
                 if kind == "died":
                     finished = True
-                    self._on_death(msg[1])
                     raise HandlerError(
                         f"the TTS worker died during synthesis (exit code {msg[1]})"
                         + ("" if self._stopping else "; it is being restarted")
                     )
-                if kind == "memory":
-                    self.info["memory"] = msg[1]
-                    continue
-                if msg[1] != req_id:
-                    continue
                 if kind == "chunk":
                     if result.first_audio_s is None:
                         result.first_audio_s = time.perf_counter() - t0
@@ -344,27 +369,29 @@ class Handler:
                     cls = RequestRejected if msg[2] == "request" else HandlerError
                     raise cls(msg[3])
         finally:
-            if not finished:
-                # The consumer went away (client disconnect, barge-in): stop the worker within
-                # one frame and wait for its acknowledgement so the next request starts clean.
-                await _uninterrupted(self._cancel(req_id))
+            try:
+                if not finished:
+                    # The consumer went away (client disconnect, barge-in): stop the stream
+                    # within one frame and wait for the worker's acknowledgement.
+                    await _uninterrupted(self._cancel(req_id, inbox))
+            finally:
+                self._streams.pop(req_id, None)
 
-    async def _cancel(self, req_id: str) -> None:
+    async def _cancel(self, req_id: str, inbox: asyncio.Queue) -> None:
         try:
             self._conn.send(("cancel", req_id))
         except OSError:
             return
         while True:
             try:
-                msg = await asyncio.wait_for(self._inbox.get(), 60)
+                msg = await asyncio.wait_for(inbox.get(), 60)
             except TimeoutError:
                 logger.error("handler %s: no acknowledgement of a cancel; killing the worker", self.name)
                 self._kill()
                 return
             if msg[0] == "died":
-                self._on_death(msg[1])
                 return
-            if msg[0] in ("done", "error") and msg[1] == req_id:
+            if msg[0] in ("done", "error"):
                 self.last_stats = msg[2] if msg[0] == "done" else None
                 if self.last_stats:
                     self.history.append(self.last_stats)

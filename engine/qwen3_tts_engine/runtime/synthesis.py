@@ -8,16 +8,16 @@ and a caller can stop between any two frames. Runs in the handler's worker proce
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
 
-from qwen3_tts_engine.protocol import CHUNK_FRAMES, SpeechRequest, default_max_new_tokens
+from qwen3_tts_engine.protocol import SpeechRequest
 
 from .sentences import split_sentences as _split
+from .vocoder import windowed_decode
 
 
 class SynthesisError(ValueError):
@@ -104,60 +104,6 @@ def _prefill(model, text: str, req: SpeechRequest, voice, instruct, ref_audio):
     )
 
 
-def _frames(model, text, req, voice, instruct, ref_audio, options, should_stop, stats):
-    """Yield [1, 16] code arrays, one per 80 ms frame, until EOS, the cap, or should_stop()."""
-    talker = model.talker
-    config = model.config.talker_config
-    eos = config.codec_eos_token_id
-    suppress = [i for i in range(config.vocab_size - 1024, config.vocab_size) if i != eos]
-    max_frames = req.max_new_tokens or default_max_new_tokens(text)
-    rep_penalty = options["repetition_penalty"]
-    if ref_audio is not None and req.ref_text:
-        rep_penalty = max(rep_penalty, 1.5)  # as mlx-audio's ICL path: long prefills degenerate
-
-    input_embeds, trailing, pad_embed = _prefill(model, text, req, voice, instruct, ref_audio)
-    cache = talker.make_cache()
-    code_cache = talker.code_predictor.make_cache()
-    history: list[int] = []
-    embed_codec = talker.get_input_embeddings()
-    for step in range(max_frames):
-        if should_stop():
-            stats.cancelled = True
-            return
-        logits, hidden = talker(input_embeds, cache=cache)
-        token = model._sample_token(
-            logits, temperature=options["temperature"], top_k=options["top_k"],
-            top_p=options["top_p"], repetition_penalty=rep_penalty,
-            generated_tokens=history or None, suppress_tokens=suppress,
-        )  # fmt: skip
-        is_eos = token[0, 0] == eos
-        for c in code_cache:
-            c.keys, c.values, c.offset = None, None, 0
-        codes = [token]
-        code_input = mx.concatenate([hidden[:, -1:, :], embed_codec(token)], axis=1)
-        for group in range(config.num_code_groups - 1):
-            if group > 0:
-                code_input = talker.code_predictor.codec_embedding[group - 1](codes[-1])
-            code_logits, code_cache, _ = talker.code_predictor(
-                code_input, cache=code_cache, generation_step=group
-            )
-            codes.append(model._sample_token(
-                code_logits, temperature=options["temperature"], top_k=options["top_k"],
-                top_p=options["top_p"],
-            ))  # fmt: skip
-        text_embed = trailing[:, step : step + 1, :] if step < trailing.shape[1] else pad_embed
-        codec_embed = embed_codec(token)
-        for i, code in enumerate(codes[1:]):
-            codec_embed = codec_embed + talker.code_predictor.codec_embedding[i](code)
-        input_embeds = text_embed + codec_embed
-        mx.eval(input_embeds, is_eos)
-        if is_eos.item():
-            return
-        history.append(int(token[0, 0]))
-        yield mx.concatenate(codes, axis=1)  # [1, 16]
-    stats.hit_token_cap = True
-
-
 def stream_chunks(
     model,
     req: SpeechRequest,
@@ -170,57 +116,30 @@ def stream_chunks(
 ) -> Iterator[Chunk]:
     """Synthesize `req.input`, yielding chunks of 4 frames (the first may be 1 or 2 frames).
 
-    Sentences are generated one after another into one vocoder stream, so chunks keep their
-    size across sentence boundaries and only the very last chunk may be shorter. With
-    `decode=False` only codes are made (empty audio): for evaluations that compare codes.
+    One request through a scheduler of its own (`scheduler.py`), so it gives what the same
+    request gives on a server next to others. Sentences are generated one after another into
+    one vocoder stream, so chunks keep their size across sentence boundaries and only the very
+    last chunk may be shorter. With `decode=False` only codes are made (empty audio): for
+    evaluations that compare codes. `should_stop()` is asked before every frame.
     """
-    if model.speech_tokenizer is None or model.tokenizer is None:
-        raise SynthesisError("the checkpoint's tokenizer or speech tokenizer failed to load")
-    stats = stats if stats is not None else SynthesisStats()
-    voice, instruct = _check_request(model, req)
-    options = model._resolve_generation_options(
-        req.temperature, None, req.top_k, req.top_p, req.repetition_penalty
-    )
-    if req.seed is not None:
-        mx.random.seed(req.seed)
-    decoder = model.speech_tokenizer.decoder
-    decoder.reset_streaming_state()
+    from .scheduler import Scheduler
 
-    target = req.first_chunk_frames or CHUNK_FRAMES
-    pending: list[mx.array] = []
-    started = time.perf_counter()
-
-    def flush() -> Chunk:
-        nonlocal pending, started, target
-        codes = mx.stack(pending, axis=1)  # [1, n, 16]
-        if decode:
-            wav = decoder.streaming_step(mx.transpose(codes, (0, 2, 1)))
-            audio = np.array(wav.squeeze(1)[0].astype(mx.float32), copy=False)
-        else:
-            audio = np.zeros(0, np.float32)
-        chunk = Chunk(audio, len(pending), time.perf_counter() - started,
-                      np.array(codes[0]) if keep_codes or not decode else None)  # fmt: skip
-        stats.chunk_frames.append(len(pending))
-        pending, target = [], CHUNK_FRAMES
-        return chunk
-
-    for sentence in split_sentences(req.input):
-        stats.sentences += 1
-        for frame in _frames(model, sentence, req, voice, instruct, ref_audio, options,
-                             should_stop, stats):  # fmt: skip
-            pending.append(frame)
-            stats.frames += 1
-            if len(pending) == target:
-                yield flush()
-                started = time.perf_counter()  # the consumer's time is not this chunk's compute
-        if stats.cancelled:
-            return
-    if pending:
-        yield flush()
+    scheduler = Scheduler(model, max_batch=1)
+    scheduler.add("solo", req, ref_audio=ref_audio, keep_codes=keep_codes, decode=decode, stats=stats)
+    while True:
+        if should_stop():
+            scheduler.cancel("solo")
+        for event in scheduler.step():
+            if event.kind == "chunk":
+                yield event.chunk
+            elif event.kind == "error":
+                raise event.error
+            else:
+                return
 
 
 def one_shot_decode(model, codes: np.ndarray) -> np.ndarray:
-    """Decode [frames, 16] codes in one vocoder call (the reference for the no-seams check)."""
+    """Decode [frames, 16] codes in one vocoder call with the decoder's sliding attention window
+    (the reference for the no-seams check)."""
     arr = mx.array(codes)[None].transpose(0, 2, 1)  # [1, 16, frames]
-    wav = model.speech_tokenizer.decoder(arr)
-    return np.array(wav.squeeze(1)[0].astype(mx.float32))
+    return np.array(windowed_decode(model.speech_tokenizer.decoder, arr))

@@ -1,15 +1,17 @@
 """The handler's worker process: loads one model and runs mlx on this process's main thread.
 
 mlx on a non-main thread fails or aborts at exit (docs/mlx-on-linux.md), so each handler owns
-a spawned process. Messages on the pipe (tuples):
+a spawned process. Its requests run together on one model (`scheduler.py`): a request that
+arrives joins the batch at the next step. Messages on the pipe (tuples):
   parent -> worker: ("synth", id, request_dict, ref_audio_bytes | None), ("cancel", id),
                     ("taken", id, n_chunks), ("memory",), ("stop",)
   worker -> parent: ("ready", info), ("failed", message), ("chunk", id, pcm_s16le, frames,
-                    compute_s), ("done", id, stats), ("error", id, kind, message), ("memory", dict)
-Flow control: a chunk counts as taken when the consumer asks for the next one ("taken" carries
-the count); the worker starts a chunk only while fewer than MAX_UNTAKEN chunks it sent are
-untaken. A consumer that pauses pauses the synthesis, and one that goes away leaves at most the
-chunk in progress behind. A stop that arrives while a synthesis waits ends it with an error.
+                    compute_s), ("done", id, stats), ("error", id, kind, message), ("memory", dict),
+                    ("batching", stats)
+Flow control, per request: a chunk counts as taken when the consumer asks for the next one
+("taken" carries the count); a stream is paused (out of the batch) while MAX_UNTAKEN chunks it
+sent are untaken. A consumer that pauses pauses its stream only, and one that goes away leaves
+at most one chunk behind. A stop ends the streams still running with an error.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import traceback
 from multiprocessing.connection import Connection
 
 from qwen3_tts_engine.audio import pcm16
-from qwen3_tts_engine.protocol import SpeechRequest
+from qwen3_tts_engine.protocol import DEFAULT_MAX_BATCH, SpeechRequest
 
 WARMUP_TEXT = "Hello, this is a warm-up."
-# One: the next chunk is made while the consumer handles this one (the server writes it to the
-# socket and asks for more within milliseconds), and nothing piles up when it stops asking.
-MAX_UNTAKEN = 1
+# Two: a stream makes its next chunk while the consumer handles this one, and at most one chunk
+# waits when the consumer stops asking. (With one, every stream would sit out a step after each
+# chunk until its "taken" came back, and leave and rejoin the batch each time.)
+MAX_UNTAKEN = 2
+REPORT_EVERY_S = 1.0  # how often a busy worker sends its batching stats
 
 
 def _memory() -> dict:
@@ -70,90 +74,164 @@ def _load_ref_audio(data: bytes):
         return load_audio(f.name, sample_rate=24000)
 
 
-class _Pipe:
-    """Receives messages while a synthesis runs: cancels and taken-counts for it, memory
-    queries, and a stop held for later."""
+class _Live:
+    """Parent-side bookkeeping of one stream in the worker: chunks sent and taken, timing."""
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self.stop_requested = False
-        self.taken: dict[str, int] = {}
-
-    def _handle(self, msg: tuple, req_id: str) -> bool:
-        """Act on one message; True when it cancels `req_id`."""
-        if msg[0] == "cancel":
-            return msg[1] == req_id
-        if msg[0] == "taken":
-            self.taken[msg[1]] = max(self.taken.get(msg[1], 0), msg[2])
-        elif msg[0] == "stop":
-            self.stop_requested = True
-        elif msg[0] == "memory":
-            self.conn.send(("memory", _memory()))
-        return False
-
-    def cancelled(self, req_id: str) -> bool:
-        hit = False
-        while self.conn.poll():
-            hit = self._handle(self.conn.recv(), req_id) or hit
-        return hit
-
-    def wait_taken(self, req_id: str, n: int) -> str:
-        """Block until the consumer has taken `n` chunks of `req_id`: "taken"; or "cancelled"
-        when it cancelled the request instead, "stopping" when the worker is asked to stop."""
-        while self.taken.get(req_id, 0) < n:
-            if self.stop_requested:
-                return "stopping"
-            if self._handle(self.conn.recv(), req_id):
-                return "cancelled"
-        return "taken"
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.sent = 0
+        self.taken = 0
+        self.compute: list[float] = []
+        self.peak_batch = 0
 
 
-def _synthesize(model, conn: Connection, pipe: _Pipe, req_id: str, body: dict, ref: bytes | None):
-    from .synthesis import SynthesisError, SynthesisStats, stream_chunks
-
-    stats = SynthesisStats()
-    cancelled = False
-    compute: list[float] = []
-
-    def should_stop() -> bool:
-        nonlocal cancelled
-        cancelled = cancelled or pipe.cancelled(req_id)
-        return cancelled
-
-    t0 = time.perf_counter()
-    pipe.taken.clear()
-    try:
-        ref_audio = _load_ref_audio(ref) if ref else None
-        for sent, chunk in enumerate(stream_chunks(
-            model, SpeechRequest(**body), ref_audio=ref_audio, should_stop=should_stop, stats=stats
-        ), start=1):  # fmt: skip
-            conn.send(("chunk", req_id, pcm16(chunk.audio), chunk.frames, chunk.compute_s))
-            compute.append(round(chunk.compute_s, 4))
-            if should_stop():
-                stats.cancelled = True
-                break
-            waited = pipe.wait_taken(req_id, sent + 1 - MAX_UNTAKEN)
-            if waited == "stopping":  # cut short, and not by the client: an error, not "done"
-                conn.send(("error", req_id, "internal", "the TTS worker is stopping"))
-                return
-            if waited == "cancelled":
-                stats.cancelled = True
-                break
-    except SynthesisError as e:
-        conn.send(("error", req_id, "request", str(e)))
-        return
-    except (BrokenPipeError, EOFError, ConnectionResetError):
-        raise
-    except Exception as e:  # a failing request must not take the worker down
-        traceback.print_exc()
-        conn.send(("error", req_id, "internal", f"{type(e).__name__}: {e}"))
-        return
-    conn.send(("done", req_id, {
+def _done_stats(stream, live: _Live) -> dict:
+    stats = stream.stats
+    return {
         "frames": stats.frames, "sentences": stats.sentences, "cancelled": stats.cancelled,
         "hit_token_cap": stats.hit_token_cap, "chunk_frames": stats.chunk_frames,
-        "chunk_compute_s": compute,
-        "synthesis_s": time.perf_counter() - t0,
-    }))  # fmt: skip
+        "chunk_compute_s": live.compute, "synthesis_s": time.perf_counter() - live.t0,
+        "peak_batch": live.peak_batch,
+    }  # fmt: skip
+
+
+def _percentile(values, q: float) -> float | None:
+    import numpy as np
+
+    return round(float(np.percentile(list(values), q)), 5) if values else None
+
+
+def batching_stats(scheduler, active: int) -> dict:
+    """What `/v1/engine/status` and `/metrics` show of the scheduler."""
+    sizes = list(scheduler.batch_sizes)
+    return {
+        "active_streams": active,
+        "max_batch": scheduler.max_batch,
+        "step_s_p50": _percentile(scheduler.step_s, 50),
+        "step_s_p95": _percentile(scheduler.step_s, 95),
+        "batch_occupancy": round(sum(sizes) / len(sizes) / scheduler.max_batch, 4) if sizes else None,
+        "kv_bytes": scheduler.kv_bytes(),
+        "kv_bytes_per_stream": scheduler.kv_bytes() // max(1, len(scheduler.rows)),
+        "steps": len(sizes),
+    }
+
+
+class _Server:
+    """The worker's loop: requests join the scheduler between steps; chunks go out as made."""
+
+    def __init__(self, model, conn: Connection, max_batch: int) -> None:
+        from .scheduler import Scheduler
+
+        self.model = model
+        self.conn = conn
+        self.scheduler = Scheduler(model, max_batch=max_batch)
+        self.live: dict[str, _Live] = {}
+        self.stop_requested = False
+        self.last_report = 0.0
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "synth":
+            self._admit(*msg[1:])
+        elif kind == "cancel":
+            self.scheduler.cancel(msg[1])
+        elif kind == "taken":
+            if (live := self.live.get(msg[1])) is not None:
+                live.taken = max(live.taken, msg[2])
+                if live.sent - live.taken < MAX_UNTAKEN:
+                    self.scheduler.set_paused(msg[1], False)
+        elif kind == "stop":
+            self.stop_requested = True
+        elif kind == "memory":
+            self.conn.send(("memory", _memory()))
+        # a "cancel" or "taken" for a request that already finished is dropped
+
+    def _admit(self, req_id: str, body: dict, ref: bytes | None) -> None:
+        from .synthesis import SynthesisError
+
+        try:
+            ref_audio = _load_ref_audio(ref) if ref else None
+            self.scheduler.add(req_id, SpeechRequest(**body), ref_audio=ref_audio)
+        except SynthesisError as e:
+            self.conn.send(("error", req_id, "request", str(e)))
+            return
+        except Exception as e:  # a failing request must not take the worker down
+            traceback.print_exc()
+            self.conn.send(("error", req_id, "internal", f"{type(e).__name__}: {e}"))
+            return
+        self.live[req_id] = _Live()
+
+    def _send_events(self, events) -> None:
+        batch = len(self.scheduler.rows)
+        for live in self.live.values():
+            live.peak_batch = max(live.peak_batch, batch)
+        for ev in events:
+            req_id = ev.stream.id
+            live = self.live.get(req_id)
+            if live is None:
+                continue
+            if ev.kind == "chunk":
+                chunk = ev.chunk
+                self.conn.send(("chunk", req_id, pcm16(chunk.audio), chunk.frames, chunk.compute_s))
+                live.compute.append(round(chunk.compute_s, 4))
+                live.sent += 1
+                if live.sent - live.taken >= MAX_UNTAKEN:
+                    self.scheduler.set_paused(req_id, True)
+            elif ev.kind == "done":
+                del self.live[req_id]
+                self.conn.send(("done", req_id, _done_stats(ev.stream, live)))
+            else:
+                del self.live[req_id]
+                from .synthesis import SynthesisError
+
+                error = ev.error
+                if not isinstance(error, SynthesisError):
+                    traceback.print_exception(error)
+                kind = "request" if isinstance(error, SynthesisError) else "internal"
+                self.conn.send(("error", req_id, kind, str(error) if kind == "request"
+                                else f"{type(error).__name__}: {error}"))  # fmt: skip
+
+    def _fail_all(self, message: str) -> None:
+        for req_id in list(self.live):
+            self.conn.send(("error", req_id, "internal", message))
+        self.live.clear()
+
+    def _report(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.last_report >= REPORT_EVERY_S:
+            self.last_report = now
+            self.conn.send(("batching", batching_stats(self.scheduler, len(self.live))))
+
+    def run(self) -> None:
+        from .scheduler import Scheduler
+
+        while True:
+            # Block for messages while nothing can run; otherwise take what arrived and step.
+            while self.conn.poll() or not (self.live and self.scheduler.runnable):
+                self._handle(self.conn.recv())
+                if self.stop_requested:
+                    break
+            if self.stop_requested:
+                # cut short, and not by the client: an error, not "done"
+                self._fail_all("the TTS worker is stopping")
+                return
+            try:
+                events = self.scheduler.step()
+            except Exception as e:  # the whole batch failed: end its streams, keep serving
+                traceback.print_exc()
+                self._fail_all(f"{type(e).__name__}: {e}")
+                self.scheduler = Scheduler(self.model, max_batch=self.scheduler.max_batch)
+                continue
+            self._send_events(events)
+            self._report()
+            if not self.live:
+                self._report(force=True)
+                # Between utterances the process keeps only what the next one needs: the
+                # vocoder's activations otherwise stay in mlx's cache and glibc's heap (~130 MB
+                # on the real 0.6B), which the footprint and the memory limit both count.
+                from qwen3_tts_engine.models.loading import release_freed_memory
+
+                release_freed_memory()
 
 
 def worker_main(conn: Connection, spec: dict) -> None:
@@ -197,23 +275,7 @@ def worker_main(conn: Connection, spec: dict) -> None:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
 
-    pipe = _Pipe(conn)
-    while not pipe.stop_requested:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            return  # the parent went away
-        if msg[0] == "stop":
-            break
-        try:
-            if msg[0] == "synth":
-                _synthesize(model, conn, pipe, msg[1], msg[2], msg[3])
-                # Between utterances the process keeps only what the next one needs: the
-                # vocoder's activations otherwise stay in mlx's cache and glibc's heap (~130 MB
-                # on the real 0.6B), which the footprint and the memory limit both count.
-                release_freed_memory()
-            elif msg[0] == "memory":
-                conn.send(("memory", _memory()))
-        except (BrokenPipeError, EOFError, ConnectionResetError):
-            return  # the parent went away mid-request
-        # a "cancel" for a request that already finished is dropped
+    try:
+        _Server(model, conn, spec.get("max_batch", DEFAULT_MAX_BATCH)).run()
+    except (BrokenPipeError, EOFError, ConnectionResetError):
+        return  # the parent went away

@@ -214,6 +214,7 @@ class EngineServer:
                 last_stats=h.last_stats, memory=memory, info=info,
                 quantized_modules=len(h.info.get("quantized_modules", {})),
                 footprint=breakdown(h.info.get("footprint"), memory) if memory else {},
+                batching={**h.batching, "max_batch": h.max_batch, "in_flight": h.in_flight},
             ))  # fmt: skip
         governor = await self.governor.status() if self.governor is not None else None
         status = EngineStatus(model=self.engine.model, active_variant=self.engine.active.variant,
@@ -270,6 +271,7 @@ class EngineServer:
         for h in handlers:
             for kind, value in (await h.memory()).items():
                 m.worker_memory.labels(str(h.variant), kind.removesuffix("_bytes")).set(value)
+            m.observe_batching(str(h.variant), h.in_flight, h.batching)
         if self.governor is not None:
             g = self.governor
             if g.reading is not None:

@@ -38,6 +38,26 @@ class Metrics:
                             ["kind"], registry=r)  # fmt: skip
         self.ladder_position = Gauge("qwen3_tts_ladder_position",
                                      "Rung of the active variant (0 = largest)", registry=r)  # fmt: skip
+        # Continuous batching (the worker's scheduler).
+        self.active_streams = Gauge("qwen3_tts_active_streams", "Syntheses running in a worker",
+                                    ["variant"], registry=r)  # fmt: skip
+        self.step_seconds = Gauge("qwen3_tts_step_seconds", "One talker step for all streams "
+                                  "(recent steps)", ["variant", "quantile"], registry=r)  # fmt: skip
+        self.batch_occupancy = Gauge("qwen3_tts_batch_occupancy", "Mean streams per step / max "
+                                     "batch (recent steps)", ["variant"], registry=r)  # fmt: skip
+        self.kv_bytes = Gauge("qwen3_tts_kv_cache_bytes", "Talker KV cache of the running "
+                              "streams", ["variant", "scope"], registry=r)  # fmt: skip
         self.footprint = Gauge("qwen3_tts_variant_footprint_bytes",
                                "Worker memory per variant (measured or estimated)", ["variant"],
                                registry=r)  # fmt: skip
+
+    def observe_batching(self, variant: str, in_flight: int, stats: dict) -> None:
+        self.active_streams.labels(variant).set(in_flight)
+        for q in ("p50", "p95"):
+            if stats.get(f"step_s_{q}") is not None:
+                self.step_seconds.labels(variant, q).set(stats[f"step_s_{q}"])
+        if stats.get("batch_occupancy") is not None:
+            self.batch_occupancy.labels(variant).set(stats["batch_occupancy"])
+        if "kv_bytes" in stats:
+            self.kv_bytes.labels(variant, "all").set(stats["kv_bytes"])
+            self.kv_bytes.labels(variant, "per_stream").set(stats["kv_bytes_per_stream"])

@@ -1,0 +1,194 @@
+"""`qwen3-tts bench concurrency`: many streams on one loaded model (continuous batching), as JSON.
+
+Per concurrency level (all streams start together, different texts and seeds):
+- codes path, in this process: the scheduler alone with `decode=False` (talker + code
+  predictor: what batching changes), and the same requests one after another through a
+  scheduler of batch 1 (what a handler without batching did);
+- full path, in this process: the same with the vocoder, and where a step's time goes;
+- HTTP path: streaming clients against a server whose handler batches (`--max-batch`).
+Each level reports first audio p50/p95, per-stream real-time factor (wall time / audio
+duration) and aggregate frames per second; `ratios` divides each level by the 1-stream level of
+the same path in the same run (compare ratios, not seconds: the machines are shared).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from qwen3_tts_engine.protocol import FRAME_RATE, SpeechRequest
+
+TEXTS = [
+    "Streaming speech, four frames at a time.",
+    "Every caller hears the first words quickly.",
+    "One loaded model speaks on many calls at once.",
+    "The batch grows and shrinks between two steps.",
+    "Short answers end early, long ones go on.",
+    "Nobody waits for a whole utterance any more.",
+    "Each stream keeps its own voice and its own seed.",
+    "The vocoder remembers every stream separately.",
+]
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def _summary(values: list[float]) -> dict:
+    return {"p50": round(statistics.median(values), 4), "p95": round(_pct(values, 0.95), 4),
+            "n": len(values)}  # fmt: skip
+
+
+def _requests(n: int, frames: int, voice: str | None, repeat: int) -> list[SpeechRequest]:
+    return [SpeechRequest(input=TEXTS[k % len(TEXTS)], voice=voice, language="english",
+                          seed=repeat * 100 + k, max_new_tokens=frames) for k in range(n)]  # fmt: skip
+
+
+def _level(model, reqs: list[SpeechRequest], *, batch: int, decode: bool) -> dict:
+    """Run `reqs` (all admitted at t=0) through one scheduler of `batch` rows."""
+    from qwen3_tts_engine.runtime.scheduler import Scheduler
+
+    scheduler = Scheduler(model, max_batch=batch)
+    t0 = time.perf_counter()
+    for k, req in enumerate(reqs):
+        scheduler.add(str(k), req, decode=decode)
+    first: dict[str, float] = {}
+    end: dict[str, float] = {}
+    frames: dict[str, int] = {}
+    while len(end) < len(reqs):
+        for ev in scheduler.step():
+            now = time.perf_counter() - t0
+            if ev.kind == "error":
+                raise ev.error
+            if ev.kind == "chunk":
+                first.setdefault(ev.stream.id, now)
+                frames[ev.stream.id] = frames.get(ev.stream.id, 0) + ev.chunk.frames
+            else:
+                end[ev.stream.id] = now
+    wall = max(end.values())
+    return {
+        "first": list(first.values()),
+        "rtf": [end[k] / (frames[k] / FRAME_RATE) for k in end],
+        "frames_per_s": sum(frames.values()) / wall,
+        "step_s": list(scheduler.step_s), "codes_s": list(scheduler.codes_s),
+    }  # fmt: skip
+
+
+def _collect(runs: list[dict]) -> dict:
+    out = {
+        "first_audio_s": _summary([x for r in runs for x in r["first"]]),
+        "rtf_per_stream": _summary([x for r in runs for x in r["rtf"]]),
+        "frames_per_s": round(statistics.median(r["frames_per_s"] for r in runs), 3),
+    }
+    steps = [x for r in runs for x in r.get("step_s", [])]
+    if steps:
+        codes = sum(x for r in runs for x in r["codes_s"])
+        out["step_s"] = _summary(steps)
+        out["vocoder_share"] = round(1 - codes / sum(steps), 4)  # of the scheduler's step time
+    return out
+
+
+def _in_process(model_path: str, levels: list[int], frames: int, repeats: int) -> dict:
+    from qwen3_tts_engine.models.loading import load
+    from qwen3_tts_engine.models.variants import resolve
+
+    model, _ = load(resolve(model_path), progress=False)
+    voice = sorted(model.config.talker_config.spk_id or {})[0] if model.config.talker_config.spk_id else None
+    _level(model, _requests(1, 4, voice, 99), batch=1, decode=True)  # warm-up
+    paths: dict = {"codes": {}, "codes_unbatched": {}, "full": {}}
+    for n in levels:
+        print(f"  in process, {n} stream(s)", file=sys.stderr, flush=True)
+        for path, batch, decode in (("codes", n, False), ("codes_unbatched", 1, False), ("full", n, True)):
+            if path == "codes_unbatched" and n == 1:
+                paths[path][str(n)] = paths["codes"][str(n)]
+                continue
+            runs = [_level(model, _requests(n, frames, voice, r), batch=batch, decode=decode)
+                    for r in range(repeats)]  # fmt: skip
+            paths[path][str(n)] = _collect(runs)
+    return paths
+
+
+async def _http_stream(client: httpx.AsyncClient, url: str, body: dict, t0: float) -> tuple:
+    first = None
+    size = 0
+    async with client.stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        async for data in r.aiter_raw():
+            first = first if first is not None else time.perf_counter() - t0
+            size += len(data)
+    return first, time.perf_counter() - t0, size // 2 / 24000
+
+
+async def _http(model_path: str, levels: list[int], frames: int, repeats: int) -> dict:
+    from qwen3_tts_engine.runtime.engine import Engine
+    from qwen3_tts_engine.runtime.handler import Handler
+    from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
+
+    server = EngineServer(Engine(model_path, [Handler(model_path, max_batch=max(levels))]),
+                          ServerConfig(port=0))  # fmt: skip
+    await server.start()
+    url = f"http://127.0.0.1:{server.port}/v1/audio/speech"
+    voice = (server.engine.active.info["voices"] or [None])[0]
+    out = {}
+    try:
+        async with httpx.AsyncClient(timeout=600) as client:
+            for n in levels:
+                print(f"  HTTP, {n} stream(s)", file=sys.stderr, flush=True)
+                runs = []
+                for r in range(repeats):
+                    t0 = time.perf_counter()
+                    results = await asyncio.gather(*(
+                        _http_stream(client, url, {**req.to_dict(), "stream": True,
+                                                   "response_format": "pcm"}, t0)
+                        for req in _requests(n, frames, voice, r)
+                    ))  # fmt: skip
+                    wall = max(end for _, end, _ in results)
+                    runs.append({"first": [f for f, _, _ in results],
+                                 "rtf": [end / secs for _, end, secs in results],
+                                 "frames_per_s": sum(secs for _, _, secs in results) * FRAME_RATE / wall})  # fmt: skip
+                out[str(n)] = _collect(runs)
+                out[str(n)]["server_step_s"] = {k: server.engine.active.batching.get(k)
+                                                for k in ("step_s_p50", "step_s_p95", "batch_occupancy")}  # fmt: skip
+    finally:
+        await server.stop()
+    return out
+
+
+def _ratios(path: dict) -> dict:
+    one = path.get("1")
+    if not one:
+        return {}
+    return {n: {"first_audio_p95_ratio": round(v["first_audio_s"]["p95"] / one["first_audio_s"]["p95"], 3),
+                "frames_per_s_ratio": round(v["frames_per_s"] / one["frames_per_s"], 3)}
+            for n, v in path.items()}  # fmt: skip
+
+
+def run_concurrency_bench(args) -> int:
+    from qwen3_tts_engine.models.loading import cache_root
+    from qwen3_tts_engine.testing.tiny_checkpoint import write_tiny_checkpoint
+
+    model = args.model
+    if not model:
+        model = str(cache_root() / "tiny" / "custom_voice-8layers-seed0")
+        if not (Path(model) / "config.json").is_file():
+            write_tiny_checkpoint(model, variant="custom_voice", seed=0, talker_layers=8)
+    levels = sorted(set(args.streams))
+    report: dict = {"model": model, "tiny_checkpoint": not args.model, "streams": levels,
+                    "frames_per_stream": args.frames, "repeats": args.repeats}  # fmt: skip
+    print(f"benchmarking concurrency on {model} ...", file=sys.stderr, flush=True)
+    report["paths"] = _in_process(model, levels, args.frames, args.repeats)
+    if not args.no_http:
+        report["paths"]["http"] = asyncio.run(_http(model, levels, args.frames, args.repeats))
+    report["ratios"] = {path: _ratios(v) for path, v in report["paths"].items()}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0

@@ -1,0 +1,374 @@
+"""Continuous batching: one talker step for every active stream of one loaded model.
+
+Each step runs the talker once on a batched KV cache (mlx-lm's `BatchKVCache`: rows of
+different lengths, left-padded, with explicit positions and mask), the code predictor once on
+all rows, and samples every row with its own settings and random key (`sampling.py`). A stream
+joins between steps: its sentence is prefilled alone (so its first frame does not depend on who
+else is running) and its cache is merged in; it leaves on EOS, its frame cap, a cancel or an
+error, and the others go on. Long input runs sentence by sentence: a row leaves at the end of a
+sentence and its next sentence joins as a new prefill, into the same vocoder stream, so chunks
+keep 4 frames across sentences. A stream whose consumer is behind is paused: its cache row is
+taken out of the batch and merged back when it resumes.
+
+Runs in the handler's worker process, on its main thread (mlx), like `synthesis.py`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache
+
+from qwen3_tts_engine.protocol import CHUNK_FRAMES, SpeechRequest, default_max_new_tokens
+
+from .sampling import BatchSampler, SamplingParams, frame_uniforms, presence_mask
+from .synthesis import (
+    Chunk,
+    SynthesisError,
+    SynthesisStats,
+    _check_request,
+    _prefill,
+    split_sentences,
+)
+
+
+@dataclass
+class Event:
+    """What a step produced for one stream: a chunk, its end ("done"), or its failure."""
+
+    stream: Stream
+    kind: str  # "chunk" | "done" | "error"
+    chunk: Chunk | None = None
+    error: Exception | None = None
+
+
+@dataclass
+class Stream:
+    id: str
+    req: SpeechRequest
+    voice: str | None
+    instruct: str | None
+    ref_audio: mx.array | None
+    params: SamplingParams
+    key: mx.array
+    keep_codes: bool = False
+    decode: bool = True
+    stats: SynthesisStats = field(default_factory=SynthesisStats)
+    sentences: list[str] = field(default_factory=list)
+    sentence: int = -1
+    # the sentence in progress
+    step: int = 0
+    max_frames: int = 0
+    history: list[int] = field(default_factory=list)
+    trailing: mx.array | None = None
+    pad_embed: mx.array | None = None
+    next_embed: mx.array | None = None  # the talker's next input [1, 1, H]
+    parked: list | None = None  # its KV cache while out of the batch (paused)
+    prefill: tuple | None = None  # (logits [1, V], hidden [1, 1, H], cache) of a new sentence
+    # chunking
+    target: int = CHUNK_FRAMES
+    pending: list[mx.array] = field(default_factory=list)
+    vocoder: object | None = None
+    chunk_started: float = field(default_factory=time.perf_counter)
+    paused: bool = False
+    cancelled: bool = False
+    finished: bool = False
+
+
+def _new_key(seed: int | None) -> mx.array:
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")
+    return mx.random.key(seed)
+
+
+class Scheduler:
+    """Streams of one model, advanced together one frame per `step()`."""
+
+    def __init__(self, model, *, max_batch: int = 8) -> None:
+        if model.speech_tokenizer is None or model.tokenizer is None:
+            raise SynthesisError("the checkpoint's tokenizer or speech tokenizer failed to load")
+        self.model = model
+        self.max_batch = max_batch
+        self.talker = model.talker
+        config = model.config.talker_config
+        self.eos = config.codec_eos_token_id
+        self.vocab = config.vocab_size
+        self.code_vocab = model.config.talker_config.code_predictor_config.vocab_size
+        self.groups = config.num_code_groups
+        suppress = np.zeros(self.vocab, np.bool_)
+        suppress[self.vocab - 1024 :] = True
+        suppress[self.eos] = False
+        self.suppress = mx.array(suppress)
+        self.streams: dict[str, Stream] = {}
+        self.rows: list[Stream] = []  # the streams in the batch, in cache-row order
+        self.cache: list[BatchKVCache] | None = None
+        # recent steps: whole step, its talker + code predictor part, rows per step
+        self.step_s: deque[float] = deque(maxlen=1024)
+        self.codes_s: deque[float] = deque(maxlen=1024)
+        self.batch_sizes: deque[int] = deque(maxlen=1024)
+
+    # -- streams -------------------------------------------------------------------------------
+
+    def add(self, stream_id: str, req: SpeechRequest, *, ref_audio: mx.array | None = None,
+            keep_codes: bool = False, decode: bool = True, split: bool = True,
+            stats: SynthesisStats | None = None) -> Stream:  # fmt: skip
+        """Admit a request (it starts at the next step); SynthesisError when it cannot be served.
+        `split=False` prefills the whole input at once instead of sentence by sentence."""
+        voice, instruct = _check_request(self.model, req)
+        options = self.model._resolve_generation_options(
+            req.temperature, None, req.top_k, req.top_p, req.repetition_penalty
+        )
+        penalty = options["repetition_penalty"]
+        if ref_audio is not None and req.ref_text:
+            penalty = max(penalty, 1.5)  # as mlx-audio's ICL path: long prefills degenerate
+        params = SamplingParams(options["temperature"], options["top_k"], options["top_p"], penalty)
+        stream = Stream(stream_id, req, voice, instruct, ref_audio, params, _new_key(req.seed),
+                        keep_codes=keep_codes, decode=decode,
+                        stats=stats if stats is not None else SynthesisStats(),
+                        sentences=split_sentences(req.input) if split else [req.input],
+                        target=req.first_chunk_frames or CHUNK_FRAMES)  # fmt: skip
+        self.streams[stream_id] = stream
+        return stream
+
+    def cancel(self, stream_id: str) -> None:
+        if (stream := self.streams.get(stream_id)) is not None:
+            stream.cancelled = True
+
+    def set_paused(self, stream_id: str, paused: bool) -> None:
+        if (stream := self.streams.get(stream_id)) is not None and stream.paused != paused:
+            stream.paused = paused
+            if not paused:
+                stream.chunk_started = time.perf_counter()  # waiting is not compute
+
+    @property
+    def runnable(self) -> bool:
+        """True when a step would do work (some stream is neither paused nor finished)."""
+        return any(not s.paused or s.cancelled for s in self.streams.values())
+
+    def kv_bytes(self) -> int:
+        if self.cache is None:
+            return 0
+        return sum(c.nbytes for c in self.cache)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """Advance every runnable stream by one frame; the chunks made and the streams ended."""
+        t0 = time.perf_counter()
+        events: list[Event] = []
+        self._drop_rows(events)
+        joining = self._admit(events)
+        rows = self.rows + joining
+        if not rows:
+            return events
+        logits, hidden = self._talker_step(joining)
+        codes, next_embeds, is_eos = self._codes(rows, logits, hidden)
+        mx.eval(codes, next_embeds, is_eos, *(s.key for s in rows))
+        self.rows = rows
+        self.codes_s.append(time.perf_counter() - t0)
+        self.batch_sizes.append(len(rows))
+        codes_np = np.array(codes)
+        eos_np = np.array(is_eos)
+        leaving = []
+        for i, s in enumerate(rows):
+            s.next_embed = next_embeds[i : i + 1]
+            if eos_np[i]:
+                leaving.append(i)
+                continue
+            s.history.append(int(codes_np[i, 0]))
+            s.pending.append(codes[i])
+            s.step += 1
+            s.stats.frames += 1
+            if s.step >= s.max_frames:
+                s.stats.hit_token_cap = True
+                leaving.append(i)
+        for i in leaving:
+            self._end_sentence(rows[i])
+        if leaving:
+            self._filter([i for i in range(len(rows)) if i not in set(leaving)])
+        self._flush(events)
+        self.step_s.append(time.perf_counter() - t0)
+        return events
+
+    def _drop_rows(self, events: list[Event]) -> None:
+        """Take cancelled and paused streams out of the batch (a paused one keeps its cache)."""
+        keep = []
+        for i, s in enumerate(self.rows):
+            if s.cancelled:
+                continue
+            if s.paused:
+                s.parked = [c.extract(i) for c in self.cache]
+                continue
+            keep.append(i)
+        if len(keep) < len(self.rows):
+            self._filter(keep)
+        for s in [s for s in self.streams.values() if s.cancelled]:
+            s.stats.cancelled = True
+            self._finish(s, events)
+
+    def _admit(self, events: list[Event]) -> list[Stream]:
+        """Streams that start a sentence this step (prefilled alone) and paused ones resuming."""
+        joining: list[Stream] = []
+        in_batch = {id(s) for s in self.rows}
+        for s in list(self.streams.values()):
+            if s.paused or s.finished or id(s) in in_batch:
+                continue
+            if len(self.rows) + len(joining) >= self.max_batch:
+                break
+            if s.parked is not None:  # resuming: its cache goes back in, it decodes with the rest
+                self._merge(s.parked)
+                s.parked = None
+                self.rows.append(s)
+                in_batch.add(id(s))
+                continue
+            try:
+                if s.sentence < 0 and not self._next_sentence(s):
+                    self._finish(s, events)
+                    continue
+                self._prefill(s)
+            except Exception as e:  # this request's failure only
+                self._fail(s, e, events)
+                continue
+            joining.append(s)
+        return joining
+
+    def _next_sentence(self, s: Stream) -> bool:
+        s.sentence += 1
+        if s.sentence >= len(s.sentences):
+            return False
+        s.stats.sentences += 1
+        text = s.sentences[s.sentence]
+        s.step, s.history = 0, []
+        s.max_frames = s.req.max_new_tokens or default_max_new_tokens(text)
+        s.prefill = None
+        return True
+
+    def _prefill(self, s: Stream) -> None:
+        embeds, s.trailing, s.pad_embed = _prefill(
+            self.model, s.sentences[s.sentence], s.req, s.voice, s.instruct, s.ref_audio
+        )
+        cache = self.talker.make_cache()
+        logits, hidden = self.talker(embeds, cache=cache)
+        s.prefill = (logits[:, -1, :], hidden[:, -1:, :], cache)
+
+    def _talker_step(self, joining: list[Stream]) -> tuple[mx.array, mx.array]:
+        """Logits [B, V] and hidden states [B, 1, H] of every row: the running rows decode one
+        token together; the joining rows bring their prefill's last position."""
+        logits, hidden = [], []
+        running = self.rows
+        if running:
+            embeds = mx.concatenate([s.next_embed for s in running], axis=0)
+            first = self.cache[0]
+            positions = mx.broadcast_to(first.offset[None, :, None], (3, len(running), 1))
+            mask = first.make_mask(1) if bool(mx.any(first.left_padding > 0).item()) else None
+            lg, hd = self.talker(embeds, position_ids=positions, mask=mask, cache=self.cache)
+            logits.append(lg[:, -1, :])
+            hidden.append(hd)
+        for s in joining:
+            lg, hd, cache = s.prefill
+            self._merge(cache)
+            s.prefill = None
+            logits.append(lg)
+            hidden.append(hd)
+        return mx.concatenate(logits, axis=0), mx.concatenate(hidden, axis=0)
+
+    def _codes(self, rows: list[Stream], logits: mx.array, hidden: mx.array):
+        """Codebook 0 sampled from the talker, codebooks 1-15 from the code predictor, and
+        each row's next talker input (its text position + the frame's codec embeddings)."""
+        talker, predictor = self.talker, self.talker.code_predictor
+        keys, uniforms = frame_uniforms([s.key for s in rows], self.groups)
+        for s, key in zip(rows, keys, strict=True):
+            s.key = key
+        params = [s.params for s in rows]
+        presence = presence_mask(
+            [s.history if s.params.repetition_penalty != 1.0 else [] for s in rows], self.vocab
+        )
+        token = BatchSampler(params, self.vocab).sample(
+            logits, uniforms[:, 0], suppress=self.suppress, presence=presence
+        )
+        code_sampler = BatchSampler(params, self.code_vocab)
+        embed_codec = talker.get_input_embeddings()
+        code_cache = predictor.make_cache()
+        codes = [token]
+        code_input = mx.concatenate([hidden, embed_codec(token)], axis=1)
+        for group in range(self.groups - 1):
+            if group > 0:
+                code_input = predictor.codec_embedding[group - 1](codes[-1])
+            code_logits, code_cache, _ = predictor(code_input, cache=code_cache, generation_step=group)
+            codes.append(code_sampler.sample(code_logits[:, -1, :], uniforms[:, group + 1]))
+        codec_embed = embed_codec(token)
+        for i, code in enumerate(codes[1:]):
+            codec_embed = codec_embed + predictor.codec_embedding[i](code)
+        text_embed = mx.concatenate([
+            s.trailing[:, s.step : s.step + 1, :] if s.step < s.trailing.shape[1] else s.pad_embed
+            for s in rows
+        ], axis=0)  # fmt: skip
+        return mx.concatenate(codes, axis=1), text_embed + codec_embed, token[:, 0] == self.eos
+
+    # -- rows, sentences and chunks ------------------------------------------------------------
+
+    def _merge(self, cache: list) -> None:
+        """Add one stream's per-layer cache (plain or extracted) as the batch's last row."""
+        merged = [BatchKVCache.merge([c]) for c in cache]
+        if self.cache is None:
+            self.cache = merged
+        else:
+            for mine, other in zip(self.cache, merged, strict=True):
+                mine.extend(other)
+
+    def _filter(self, keep: list[int]) -> None:
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = None
+            return
+        index = mx.array(keep)
+        for c in self.cache:
+            c.filter(index)
+
+    def _end_sentence(self, s: Stream) -> None:
+        if not self._next_sentence(s):
+            s.finished = True
+
+    def _flush(self, events: list[Event]) -> None:
+        """Decode the chunks that are complete (all at once where the vocoder allows)."""
+        ready = [s for s in self.streams.values()
+                 if s.pending and (len(s.pending) >= s.target or s.finished)]  # fmt: skip
+        decoding = [s for s in ready if s.decode]
+        audio: dict[int, mx.array] = {}
+        if decoding:
+            from .vocoder import decode_steps, new_stream
+
+            items = []
+            for s in decoding:
+                if s.vocoder is None:
+                    s.vocoder = new_stream(self.model.speech_tokenizer.decoder)
+                items.append((s.vocoder, mx.stack(s.pending, axis=0).T[None]))  # [1, 16, n]
+            for s, wav in zip(decoding, decode_steps(self.model.speech_tokenizer.decoder, items), strict=True):
+                audio[id(s)] = wav
+            mx.eval(*audio.values())
+        now = time.perf_counter()
+        for s in ready:
+            codes = np.array(mx.stack(s.pending, axis=0))
+            wav = audio.get(id(s))
+            samples = np.array(wav.astype(mx.float32), copy=False) if wav is not None else np.zeros(0, np.float32)
+            events.append(Event(s, "chunk", Chunk(samples, len(s.pending), now - s.chunk_started,
+                                                  codes if s.keep_codes or not s.decode else None)))  # fmt: skip
+            s.stats.chunk_frames.append(len(s.pending))
+            s.pending, s.target, s.chunk_started = [], CHUNK_FRAMES, now
+        for s in [s for s in self.streams.values() if s.finished and not s.pending]:
+            self._finish(s, events)
+
+    def _finish(self, s: Stream, events: list[Event]) -> None:
+        self.streams.pop(s.id, None)
+        s.finished = True
+        events.append(Event(s, "done"))
+
+    def _fail(self, s: Stream, error: Exception, events: list[Event]) -> None:
+        self.streams.pop(s.id, None)
+        s.finished = True
+        events.append(Event(s, "error", error=error))
