@@ -1,12 +1,17 @@
 """Two `voice-agent start` workers (as on two hosts, each with its own TTS engine) on one LiveKit
-server: jobs spread over both, a SIGKILLed worker's call brought back on the survivor by the call
-keeper, a saturated engine steering new rooms away, and a SIGTERMed worker finishing the turn in
-progress (drain)."""
+server: a room that waited with no worker gets an agent from the call keeper once the workers come,
+and a SIGKILLed job process of that call is replaced by a new agent that says it is back and has
+the conversation in its context; jobs spread over both, a saturated engine steering new rooms away,
+a SIGKILLed worker's call brought back on the survivor by the call keeper, and a SIGTERMed worker
+finishing the turn in progress (drain); and the phone calls of tests/test_phone_calls.py. One setup
+(engines, workers, keeper) for all of it."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import time
 import uuid
@@ -18,6 +23,7 @@ from livekit import api, rtc
 
 from voice_agent.demo import load_turn_audio
 from voice_agent.keeper import CallKeeper
+from voice_agent.recovery import history_from_metadata
 from voice_agent.speech_assets import speech_wav
 
 from .engine_process import EngineProcess, free_port
@@ -26,12 +32,14 @@ from .openai_server import ScriptedChatServer
 from .test_livekit_call import (
     QUESTION,
     RATE,
+    SILENT_PEAK,
     Caller,
     _delete_room,
     _start_worker,
     _stop_worker,
     _until,
 )
+from .test_phone_calls import PHONE_ENV, phone_calls_through_a_livekit_server, phone_llm
 
 # Both "hosts" share this machine's CPUs: a threshold near 1 keeps CPU noise from marking them
 # full, while a saturated engine queue (load 1.0) still does.
@@ -99,20 +107,96 @@ async def _settle(ports, below: float = THRESHOLD - 0.1, hold: float = 3.0,
     print(f"workers still loaded after {timeout:.0f}s: {loads}")
 
 
+def _job_pid(log_text: str, room: str) -> int | None:
+    for line in log_text.splitlines():
+        if (line.startswith('{"message": "turn:') and f'"room": "{room}"' in line
+                and (m := re.search(r'"pid": (\d+)', line))):  # a turn's log line: the job process
+            return int(m.group(1))
+    return None
+
+
+async def _crashed_job_gets_an_agent_back(server, keeper: CallKeeper, llm: ScriptedChatServer, caller: Caller,
+                                          room: str, workers: dict, logs: dict, record_property) -> None:  # fmt: skip
+    """The waiting room (its caller joined while no worker was registered; LiveKit gave up on it
+    at once): the keeper dispatches an agent once a worker comes. After a turn, that job's process
+    is SIGKILLed: its heartbeats stop, the keeper removes the lingering agent and dispatches a new
+    one, which says it is back and answers with the first turn in its context (from the room)."""
+    question = load_turn_audio(speech_wav(QUESTION, sample_rate=RATE))
+    await _until(lambda: (a := caller.agent()) is not None and a.attributes.get("worker")
+                 and a.attributes.get("lk.agent.state") == "listening",
+                 "the keeper's agent to listen in the waiting room")  # fmt: skip
+    waited = [r for r in keeper.recoveries if r.room == room]
+    assert waited and waited[0].reason.startswith("no agent after") and waited[0].dispatch_id, keeper.recoveries
+    first_agent = caller.agent().identity
+    tag = caller.agent().attributes["worker"]
+
+    # a turn, so that there is a conversation to pick up
+    await asyncio.sleep(1.0)
+    caller.say(question)
+    await _until(lambda: "noon" in caller.agent_transcript().lower(), "the first answer")
+    lk = api.LiveKitAPI(server.http_url, server.api_key, server.api_secret)
+    try:
+        async def stored() -> bool:
+            rooms = (await lk.room.list_rooms(api.ListRoomsRequest(names=[room]))).rooms
+            return bool(rooms) and any("noon" in h["text"].lower() for h in history_from_metadata(rooms[0].metadata))
+
+        t0 = time.monotonic()
+        while not await stored():
+            assert time.monotonic() - t0 < 30, "the conversation never reached the room's metadata"
+            await asyncio.sleep(0.2)
+    finally:
+        await lk.aclose()
+
+    # the job process dies without a word
+    pid = _job_pid(logs[tag].read_text(errors="replace"), room)
+    assert pid is not None and pid != workers[tag].pid
+    heard = len(caller.agent_frames)
+    t_kill = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    t_rejoined = await _until(lambda: (a := caller.agent()) is not None and a.identity != first_agent,
+                              "a new agent in the room", 60)  # fmt: skip
+    rejoined = t_rejoined - t_kill
+    # (frames before the new agent joined may be the old agent's last words)
+    await _until(lambda: any(p > SILENT_PEAK and t > t_rejoined for t, p in caller.agent_frames[heard:]),
+                 "the new agent's voice", 60)  # fmt: skip
+    heard_again = min(t for t, p in caller.agent_frames[heard:] if p > SILENT_PEAK and t > t_rejoined) - t_kill
+    lost = [r for r in keeper.recoveries if r.room == room and r.lost_agent == first_agent]
+    assert lost and lost[0].reason.startswith("no heartbeat"), keeper.recoveries
+    assert first_agent not in caller.room.remote_participants  # removed, not left to time out
+    await _until(lambda: "cut off" in caller.agent_transcript().lower(), "the resume greeting")
+    asked = len(llm.requests)
+    caller.say(question)
+    await _until(lambda: len(llm.requests) > asked, "the second question to reach the LLM")
+    messages = json.dumps(llm.requests[-1]["messages"]).lower()
+    assert "noon" in messages and messages.count("time") >= 2, messages  # the first turn is in context
+    print(f"crashed job: a new agent in the room {rejoined:.1f}s and its voice {heard_again:.1f}s after the kill")
+    record_property("recovery_rejoined_s", round(rejoined, 2))
+    record_property("recovery_heard_s", round(heard_again, 2))
+
+
 async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_property):  # noqa: F811
     server = livekit_server
     engines = {tag: EngineProcess(tiny_checkpoint("custom_voice"), None, "--no-governor")
                for tag in ("a", "b")}  # fmt: skip
     workers, ports, logs = {}, {}, {}
-    llm = await ScriptedChatServer().start()
+    llm = await phone_llm().start()  # the scripted answers, and tool calls for the phone keypad
     callers: list[Caller] = []
     rooms: list[str] = []
     # the call keeper: the workers' jobs send it heartbeats, LiveKit its webhooks (step 3)
-    keeper = CallKeeper(server.url, server.api_key, server.api_secret)
+    # dispatch_wait: a job on a busy machine may take seconds to join a new room (a phone call
+    # among them); a dispatch sooner would put a second agent in it
+    keeper = CallKeeper(server.url, server.api_key, server.api_secret, dispatch_wait=10.0)
     keeper_runner = web.AppRunner(keeper.app())
     await keeper_runner.setup()
     await web.TCPSite(keeper_runner, "127.0.0.1", server.webhook_port).start()
     try:
+        # 0. a caller waits in a room while no worker is there (finished in step 0b below)
+        waiting = f"keep-{uuid.uuid4().hex[:8]}"
+        rooms.append(waiting)
+        waiting_caller = Caller(f"caller-{uuid.uuid4().hex[:6]}")
+        callers.append(waiting_caller)
+        await waiting_caller.join(server.url, _token(server, waiting_caller.identity, waiting))
+        await _until(lambda: waiting in keeper.rooms, "the room_started webhook", 30)
         await asyncio.gather(*(asyncio.to_thread(e.start) for e in engines.values()))
         for tag, engine in engines.items():
             ports[tag], logs[tag] = free_port(), tmp_path / f"worker-{tag}.log"
@@ -127,11 +211,27 @@ async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_pro
                    # must not decide whether a room gets an agent
                    "AGENT_LOAD_CPU": "0", "LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE": "0",
                    "VOICE_AGENT_CACHE": str(tmp_path / "va"),
-                   "KEEPER_URL": f"http://127.0.0.1:{server.webhook_port}"}  # fmt: skip
+                   "KEEPER_URL": f"http://127.0.0.1:{server.webhook_port}", **PHONE_ENV}  # fmt: skip
             workers[tag] = _start_worker(env, tmp_path / tag, logs[tag])
         for tag in workers:
             await _until(lambda t=tag: "registered worker" in logs[t].read_text(errors="replace"),
                          f"worker {tag} to register")  # fmt: skip
+
+        # 0b. the waiting room gets an agent; its job process is SIGKILLed and the call goes on
+        await _crashed_job_gets_an_agent_back(server, keeper, llm, waiting_caller, waiting, workers, logs,
+                                              record_property)  # fmt: skip
+        await waiting_caller.close()
+        callers.remove(waiting_caller)
+        rooms.remove(waiting)
+        await _delete_room(server, waiting)
+
+        # 0c. phone calls, as LiveKit's SIP bridge makes them look to the room (tests/test_phone_calls.py)
+        def alive() -> str | None:
+            gone = [f"worker {t} exited with {w.returncode}" for t, w in workers.items() if w.poll() is not None]
+            return "; ".join(gone) or None
+
+        await phone_calls_through_a_livekit_server(server, llm, list(ports.values()), list(logs.values()), alive,
+                                                   record_property)  # fmt: skip
 
         # 1. spread: rooms one after another until both workers served (at least 4 rooms)
         # LiveKit picks a worker at random, weighted by 1 - load: with both idle, 16 rooms all
@@ -257,7 +357,7 @@ async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_pro
     except AssertionError as e:
         tails = "".join(f"\n--- worker {t} ---\n{logs[t].read_text(errors='replace')[-3000:]}"
                         for t in logs if logs[t].is_file())  # fmt: skip
-        raise AssertionError(f"{e}{tails}") from None
+        raise AssertionError(f"{e}{tails}\n--- recoveries: {keeper.recoveries}") from None
     finally:
         for caller in callers:
             await caller.close()

@@ -5,16 +5,18 @@ would put in the room: a participant of kind SIP (an access token of kind "sip")
 bridge's `sip.*` attributes, publishing speech that went through a G.711 µ-law phone line, and
 sending keypad presses as SIP DTMF packets (`publish_dtmf`) through the server. The worker is a
 real `voice-agent start`; transfers go to the server's real SIP API, which answers with an error
-because no SIP service is connected.
+because no SIP service is connected. The calls run on the two workers of
+tests/test_livekit_distribution.py (one setup for its checks and these):
+`phone_calls_through_a_livekit_server` below.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -26,10 +28,8 @@ from voice_agent.settings import Settings, parse_dtmf_actions
 from voice_agent.speech_assets import speech_wav
 from voice_agent.telephony import TRANSFER_FAILED, PhoneCaller, digits_as_text
 
-from .engine_process import EngineProcess, free_port
-from .livekit_server import livekit_server  # noqa: F401 (the fixture)
 from .openai_server import ScriptedChatServer
-from .test_livekit_call import RATE, SILENT_PEAK, Caller, _start_worker, _stop_worker, _until
+from .test_livekit_call import RATE, SILENT_PEAK, Caller, _until
 
 pytestmark = [pytest.mark.filterwarnings("ignore:The HMAC key is .* bytes long")]
 QUESTION = "What is the capital of France?"  # tiny.en hears it well through a phone line and Opus
@@ -107,26 +107,23 @@ async def _active_jobs(port: int) -> int | None:
         return None
 
 
-async def test_phone_calls_through_a_livekit_server(livekit_server, tiny_checkpoint, tmp_path,  # noqa: F811
-                                                    record_property):  # fmt: skip
-    server = livekit_server
-    engine = EngineProcess(tiny_checkpoint("custom_voice"), None, "--no-governor")
-    await asyncio.to_thread(engine.start)
-    llm = await ScriptedChatServer(tool_rules={"pressed 5": "transfer_call", "pressed 7": "end_call"}).start()
-    http_port = free_port()
-    env = {"LIVEKIT_URL": server.url, "LIVEKIT_API_KEY": server.api_key, "LIVEKIT_API_SECRET": server.api_secret,
-           "TTS_URL": engine.url, "LLM_BASE_URL": llm.url, "LLM_MODEL": "scripted", "TTS_MAX_NEW_TOKENS": "6",
-           "VOICE_AGENT_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE": "0",
-           "VOICE_AGENT_CACHE": str(tmp_path / "va"), "AGENT_HTTP_PORT": str(http_port), "AGENT_LOAD_CPU": "0",
-           "PHONE_GREETING": GREETING, "DTMF_ACTIONS": "0=transfer,9=hangup", "TRANSFER_TO": "+15550100"}  # fmt: skip
-    env = {**os.environ, **env}
-    question = load_turn_audio(phone_line_wav(speech_wav(QUESTION, sample_rate=RATE), sample_rate=RATE))
-    log = tmp_path / "worker.log"
-    worker = _start_worker(env, tmp_path, log)
-    callers: list[PhoneCallerClient] = []
+# What a worker needs for the calls below (tests/test_livekit_distribution.py starts its workers
+# with it, on the LLM of `phone_llm()`, and runs `phone_calls_through_a_livekit_server` there).
+PHONE_ENV = {"PHONE_GREETING": GREETING, "DTMF_ACTIONS": "0=transfer,9=hangup", "TRANSFER_TO": "+15550100"}
 
-    def alive() -> str | None:
-        return f"the worker exited with {worker.returncode}" if worker.poll() is not None else None
+
+def phone_llm() -> ScriptedChatServer:
+    return ScriptedChatServer(tool_rules={"pressed 5": "transfer_call", "pressed 7": "end_call"})
+
+
+async def phone_calls_through_a_livekit_server(server, llm: ScriptedChatServer, http_ports: list[int],
+                                               logs: list[Path], alive, record_property) -> None:  # fmt: skip
+    """Phone calls to the workers whose AGENT_HTTP_PORTs are `http_ports` (started with PHONE_ENV,
+    `llm` from `phone_llm()`; `alive()` says why a worker is gone, or None). Checks only what the
+    workers log from here on."""
+    question = load_turn_audio(phone_line_wav(speech_wav(QUESTION, sample_rate=RATE), sample_rate=RATE))
+    log_start = {log: len(log.read_text(errors="replace")) for log in logs}
+    callers: list[PhoneCallerClient] = []
 
     async def call(name: str) -> PhoneCallerClient:
         caller = PhoneCallerClient(f"sip_{name}_{uuid.uuid4().hex[:4]}")
@@ -139,14 +136,15 @@ async def test_phone_calls_through_a_livekit_server(livekit_server, tiny_checkpo
 
     async def job_freed(what: str) -> float:
         t0 = time.monotonic()
-        while (jobs := await _active_jobs(http_port)) != 0:
+        while (jobs := [await _active_jobs(p) for p in http_ports]) != [0] * len(http_ports):
             assert time.monotonic() - t0 < 60, f"{what}: still {jobs} active jobs after 60 s"
             await asyncio.sleep(0.1)
         return time.monotonic() - t0
 
+    def new_log_text() -> str:
+        return "".join(log.read_text(errors="replace")[log_start[log]:] for log in logs)
+
     try:
-        await _until(lambda: "registered worker" in log.read_text(errors="replace"), "the worker to register",
-                     alive=alive)  # fmt: skip
         # 1. a phone caller asks a question over a phone line and hears the answer
         first = await call("speech")
         await asyncio.sleep(1.0)  # the agent's subscription to the caller's track settles
@@ -187,16 +185,13 @@ async def test_phone_calls_through_a_livekit_server(livekit_server, tiny_checkpo
         await job_freed("after the caller hung up")
         freed = time.monotonic() - t_hangup
     except (AssertionError, TimeoutError) as e:
-        raise AssertionError(f"{e!r}\n--- worker log ---\n{log.read_text(errors='replace')[-5000:]}\n"
+        raise AssertionError(f"{e!r}\n--- worker logs (this part) ---\n{new_log_text()[-5000:]}\n"
                              f"--- transcripts: {[c.transcripts for c in callers]}") from None  # fmt: skip
     finally:
         for caller in callers:
             await caller.close()
-        await asyncio.to_thread(_stop_worker, worker)
-        await llm.stop()
-        await asyncio.to_thread(engine.stop)
 
-    text = log.read_text(errors="replace")
+    text = new_log_text()
     print(f"voice-to-voice seen by the phone caller: {v2v:.3f}s; job free {freed:.2f}s after the hang-up")
     print(f"transcripts: {first.transcripts}")
     record_property("phone_voice_to_voice_s", round(v2v, 3))

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from .demo import run_turns
-from .local_services import ensure_llm
+from .local_services import LocalService, ensure_llm
 from .settings import Settings
 from .turn_bench import PAUSED, baseline, turn_set, word_error_rate, words
 
@@ -117,7 +117,7 @@ def _ratio(tuned: dict, base: dict, column: str) -> float | None:
     return None if a is None or not b else a / b
 
 
-async def _bench(settings: Settings, turns: int, paused_turns: int, tts_requests: int) -> dict:
+async def _bench(settings: Settings, llm: LocalService, turns: int, paused_turns: int, tts_requests: int) -> dict:
     from qwen3_tts_engine import Engine, EngineServer, Handler, ServerConfig
 
     from .local_services import RANDOM_TTS, hub_model_available
@@ -131,7 +131,6 @@ async def _bench(settings: Settings, turns: int, paused_turns: int, tts_requests
     await engine.start()
     handler = engine.engine.active
     tts_url = f"http://127.0.0.1:{engine.port}"
-    llm = await asyncio.to_thread(ensure_llm, settings)
     notes += list(llm.notes)
     if llm.model:
         settings = replace(settings, llm_model=llm.model)
@@ -155,7 +154,6 @@ async def _bench(settings: Settings, turns: int, paused_turns: int, tts_requests
         stop.set()
         lines = await busy_task
     finally:
-        llm.stop()
         await engine.stop()
     tuned, base = reports["tuned"], reports["baseline"]
     plain = [(a["transcript"], b["transcript"]) for a, b in zip(tuned["turns"], base["turns"], strict=True)
@@ -181,7 +179,15 @@ async def _bench(settings: Settings, turns: int, paused_turns: int, tts_requests
 
 
 def run_bench(settings: Settings, turns: int, paused_turns: int, tts_requests: int, out: Path | None) -> int:
-    report = asyncio.run(_bench(settings, turns, paused_turns, tts_requests))
+    # The LLM service on the main thread, before the event loop (as the demo does): offline it
+    # writes the tiny random LLM with mlx, and mlx used on a worker thread (asyncio.to_thread)
+    # made the process abort at interpreter exit now and then ("terminate called without an
+    # active exception", exit -6, after the report was printed).
+    llm = ensure_llm(settings)
+    try:
+        report = asyncio.run(_bench(settings, llm, turns, paused_turns, tts_requests))
+    finally:
+        llm.stop()
     text = json.dumps(report, indent=2)
     print(text)
     if out:

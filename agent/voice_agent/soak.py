@@ -69,8 +69,9 @@ class Plan:
 
     @classmethod
     def of(cls, minutes: float, callers: int, faults: tuple[str, ...]) -> Plan:
-        if minutes <= 5:  # the short version: each fault once, close together
-            return cls(minutes, callers, faults, warmup_s=20.0, tail_s=20.0, settle_s=12.0, grace_s=150.0,
+        if minutes <= 5:  # the short version: each fault once, close together (the first after a
+            # heard turn, each next one after the previous one recovered and a turn was heard since)
+            return cls(minutes, callers, faults, warmup_s=5.0, tail_s=20.0, settle_s=3.0, grace_s=150.0,
                        window_s=30.0, sample_s=2.0, rss_warmup_s=30.0, every_fault=True)  # fmt: skip
         return cls(minutes, callers, faults)
 

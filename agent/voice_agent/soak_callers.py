@@ -177,6 +177,7 @@ class CallerLoop:
                 await asyncio.sleep(2.0)
                 continue
             self.call, self.room_name = call, name
+            self.log(f"caller {self.index}: in a call ({name})")
             try:
                 await self._converse(call, name)
             finally:
