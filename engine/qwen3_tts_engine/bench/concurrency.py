@@ -6,6 +6,9 @@ Per concurrency level (all streams start together, different texts and seeds):
   scheduler of batch 1 (what a handler without batching did);
 - full path, in this process: the same with the vocoder, and where a step's time goes;
 - HTTP path: streaming clients against a server whose handler batches (`--max-batch`).
+The codes path also says whether batching changed any stream's codes (the same seeded requests
+batched and one by one: streams whose codes differ, and the first frame where they do) and how
+much mlx memory each extra stream adds at the peak (talker KV, activations, vocoder state).
 Each level reports first audio p50/p95, per-stream real-time factor (wall time / audio
 duration) and aggregate frames per second; `ratios` divides each level by the 1-stream level of
 the same path in the same run (compare ratios, not seconds: the machines are shared).
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from qwen3_tts_engine.protocol import FRAME_RATE, SpeechRequest
 
@@ -53,15 +57,21 @@ def _requests(n: int, frames: int, voice: str | None, repeat: int) -> list[Speec
 
 def _level(model, reqs: list[SpeechRequest], *, batch: int, decode: bool) -> dict:
     """Run `reqs` (all admitted at t=0) through one scheduler of `batch` rows."""
+    import mlx.core as mx
+
     from qwen3_tts_engine.runtime.scheduler import Scheduler
 
     scheduler = Scheduler(model, max_batch=batch)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
     t0 = time.perf_counter()
     for k, req in enumerate(reqs):
         scheduler.add(str(k), req, decode=decode)
     first: dict[str, float] = {}
     end: dict[str, float] = {}
     frames: dict[str, int] = {}
+    codes: dict[str, list] = {}
     while len(end) < len(reqs):
         for ev in scheduler.step():
             now = time.perf_counter() - t0
@@ -70,6 +80,8 @@ def _level(model, reqs: list[SpeechRequest], *, batch: int, decode: bool) -> dic
             if ev.kind == "chunk":
                 first.setdefault(ev.stream.id, now)
                 frames[ev.stream.id] = frames.get(ev.stream.id, 0) + ev.chunk.frames
+                if ev.chunk.codes is not None:
+                    codes.setdefault(ev.stream.id, []).append(ev.chunk.codes)
             else:
                 end[ev.stream.id] = now
     wall = max(end.values())
@@ -78,7 +90,26 @@ def _level(model, reqs: list[SpeechRequest], *, batch: int, decode: bool) -> dic
         "rtf": [end[k] / (frames[k] / FRAME_RATE) for k in end],
         "frames_per_s": sum(frames.values()) / wall,
         "step_s": list(scheduler.step_s), "codes_s": list(scheduler.codes_s),
+        "peak_bytes": mx.get_peak_memory() - base,
+        "codes": {k: np.concatenate(v) for k, v in codes.items()},
     }  # fmt: skip
+
+
+def _flips(batched: list[dict], alone: list[dict]) -> dict:
+    """Streams whose codes differ between a batched run and the one-by-one run of the same
+    seeded requests, and the first frame where each differs."""
+    differ, first = 0, []
+    n = 0
+    for b, a in zip(batched, alone, strict=True):
+        for k, codes in b["codes"].items():
+            n += 1
+            ref = a["codes"][k]
+            m = min(len(codes), len(ref))
+            rows = np.nonzero((codes[:m] != ref[:m]).any(axis=1))[0]
+            if len(codes) != len(ref) or rows.size:
+                differ += 1
+                first.append(int(rows[0]) if rows.size else m)
+    return {"streams": n, "streams_with_other_codes": differ, "first_different_frame": first}
 
 
 def _collect(runs: list[dict]) -> dict:
@@ -87,6 +118,8 @@ def _collect(runs: list[dict]) -> dict:
         "rtf_per_stream": _summary([x for r in runs for x in r["rtf"]]),
         "frames_per_s": round(statistics.median(r["frames_per_s"] for r in runs), 3),
     }
+    if "peak_bytes" in runs[0]:
+        out["mlx_peak_bytes"] = max(r["peak_bytes"] for r in runs)
     steps = [x for r in runs for x in r.get("step_s", [])]
     if steps:
         codes = sum(x for r in runs for x in r["codes_s"])
@@ -103,15 +136,25 @@ def _in_process(model_path: str, levels: list[int], frames: int, repeats: int) -
     voice = sorted(model.config.talker_config.spk_id or {})[0] if model.config.talker_config.spk_id else None
     _level(model, _requests(1, 4, voice, 99), batch=1, decode=True)  # warm-up
     paths: dict = {"codes": {}, "codes_unbatched": {}, "full": {}}
+    raw: dict = {}
     for n in levels:
         print(f"  in process, {n} stream(s)", file=sys.stderr, flush=True)
         for path, batch, decode in (("codes", n, False), ("codes_unbatched", 1, False), ("full", n, True)):
             if path == "codes_unbatched" and n == 1:
                 paths[path][str(n)] = paths["codes"][str(n)]
+                raw[path, n] = raw["codes", n]
                 continue
             runs = [_level(model, _requests(n, frames, voice, r), batch=batch, decode=decode)
                     for r in range(repeats)]  # fmt: skip
             paths[path][str(n)] = _collect(runs)
+            raw[path, n] = runs
+        if n > 1:
+            paths["codes"][str(n)]["determinism"] = _flips(raw["codes", n], raw["codes_unbatched", n])
+    one = paths["full"][str(levels[0])].get("mlx_peak_bytes")
+    for n in levels[1:]:
+        peak = paths["full"][str(n)].get("mlx_peak_bytes")
+        if one is not None and peak is not None:
+            paths["full"][str(n)]["mlx_bytes_per_extra_stream"] = (peak - one) // (n - levels[0])
     return paths
 
 
