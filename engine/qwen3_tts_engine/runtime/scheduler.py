@@ -3,8 +3,9 @@
 Each step runs the talker once on a batched KV cache (mlx-lm's `BatchKVCache`: rows of
 different lengths, left-padded, with explicit positions and mask), the code predictor once on
 all rows, and samples every row with its own settings and random key (`sampling.py`). A stream
-joins between steps: its sentence is prefilled alone (so its first frame does not depend on who
-else is running) and its cache is merged in; it leaves on EOS, its frame cap, a cancel or an
+joins between steps: the sentences that start in a step are prefilled together (right-padded,
+the padding then rolled to the left as mlx-lm's batched prompt processing does) and their cache
+rows are added to the batch; it leaves on EOS, its frame cap, a cancel or an
 error, and the others go on. Long input runs sentence by sentence: a row leaves at the end of a
 sentence and its next sentence joins as a new prefill, into the same vocoder stream, so chunks
 keep 4 frames across sentences. A stream whose consumer is behind is paused: its cache row is
@@ -69,7 +70,7 @@ class Stream:
     pad_embed: mx.array | None = None
     next_embed: mx.array | None = None  # the talker's next input [1, 1, H]
     parked: list | None = None  # its KV cache while out of the batch (paused)
-    prefill: tuple | None = None  # (logits [1, V], hidden [1, 1, H], cache) of a new sentence
+    prefill: mx.array | None = None  # a new sentence's prompt embeddings [1, L, H]
     # chunking
     target: int = CHUNK_FRAMES
     pending: list[mx.array] = field(default_factory=list)
@@ -249,12 +250,9 @@ class Scheduler:
         return True
 
     def _prefill(self, s: Stream) -> None:
-        embeds, s.trailing, s.pad_embed = _prefill(
+        s.prefill, s.trailing, s.pad_embed = _prefill(
             self.model, s.sentences[s.sentence], s.req, s.voice, s.instruct, s.ref_audio
         )
-        cache = self.talker.make_cache()
-        logits, hidden = self.talker(embeds, cache=cache)
-        s.prefill = (logits[:, -1, :], hidden[:, -1:, :], cache)
 
     def _talker_step(self, joining: list[Stream]) -> tuple[mx.array, mx.array]:
         """Logits [B, V] and hidden states [B, 1, H] of every row: the running rows decode one
@@ -269,13 +267,32 @@ class Scheduler:
             lg, hd = self.talker(embeds, position_ids=positions, mask=mask, cache=self.cache)
             logits.append(lg[:, -1, :])
             hidden.append(hd)
-        for s in joining:
-            lg, hd, cache = s.prefill
-            self._merge(cache)
-            s.prefill = None
+        if joining:
+            lg, hd = self._prefill_together(joining)
             logits.append(lg)
             hidden.append(hd)
         return mx.concatenate(logits, axis=0), mx.concatenate(hidden, axis=0)
+
+    def _prefill_together(self, joining: list[Stream]) -> tuple[mx.array, mx.array]:
+        """One talker pass over the prompts of the sentences that start now, right-padded to the
+        longest; each row's logits and hidden state at its own last prompt position. The cache's
+        padding is then rolled to the left (`BatchKVCache.finalize`) and the rows join the batch."""
+        lengths = [s.prefill.shape[1] for s in joining]
+        longest = max(lengths)
+        embeds = mx.concatenate([mx.pad(s.prefill, [(0, 0), (0, longest - n), (0, 0)])
+                                 for s, n in zip(joining, lengths, strict=True)], axis=0)  # fmt: skip
+        cache = [BatchKVCache([0] * len(joining)) for _ in self.talker.model.layers]
+        for c in cache:
+            c.prepare(right_padding=[longest - n for n in lengths])
+        positions = mx.broadcast_to(mx.arange(longest)[None, None], (3, len(joining), longest))
+        logits, hidden = self.talker(embeds, position_ids=positions, cache=cache)  # causal mask
+        rows, last = mx.arange(len(joining)), mx.array(lengths) - 1
+        for c in cache:
+            c.finalize()
+        for s in joining:
+            s.prefill = None
+        self._extend(cache)
+        return logits[rows, last], hidden[rows, last][:, None, :]
 
     def _codes(self, rows: list[Stream], logits: mx.array, hidden: mx.array):
         """Codebook 0 sampled from the talker, codebooks 1-15 from the code predictor, and
@@ -314,11 +331,13 @@ class Scheduler:
 
     def _merge(self, cache: list) -> None:
         """Add one stream's per-layer cache (plain or extracted) as the batch's last row."""
-        merged = [BatchKVCache.merge([c]) for c in cache]
+        self._extend([BatchKVCache.merge([c]) for c in cache])
+
+    def _extend(self, cache: list[BatchKVCache]) -> None:
         if self.cache is None:
-            self.cache = merged
+            self.cache = cache
         else:
-            for mine, other in zip(self.cache, merged, strict=True):
+            for mine, other in zip(self.cache, cache, strict=True):
                 mine.extend(other)
 
     def _filter(self, keep: list[int]) -> None:
