@@ -11,8 +11,9 @@ The keeper closes both gaps with LiveKit's own mechanisms:
   a new agent is dispatched explicitly (AgentDispatchService.CreateDispatch) to a surviving worker;
 - server webhooks (`POST /webhook`, signed by LiveKit): `room_started` puts a room on watch (a room
   that has a caller and no agent after `dispatch_wait` gets an explicit dispatch, retried until an
-  agent comes), `participant_left` of an agent while a caller stays triggers a dispatch at once,
-  `room_finished` forgets the room.
+  agent comes), `participant_left` of an agent while a caller stays triggers a dispatch (after LEFT_GRACE),
+  `room_finished` forgets the room. Decisions wait LEFT_GRACE after an agent leaves: a job that
+  ends on purpose leaves before its last heartbeat ("ended") and before its room is deleted.
 
 The new agent picks the conversation up from the room's metadata, where each job keeps the last
 turns (`agent/voice_agent/recovery.py`).
@@ -33,6 +34,10 @@ from livekit.protocol.models import ParticipantInfo
 logger = logging.getLogger("voice_agent.keeper")
 CALLER_KINDS = (ParticipantInfo.Kind.STANDARD, ParticipantInfo.Kind.SIP)
 MAX_BODY = 64 * 1024
+# After an agent leaves, seconds before the keeper acts: a job that ends on purpose (end_call
+# deletes the room; a hang-up) leaves the room before its last heartbeat says "ended" and before
+# the room is gone, and a dispatch in that moment would send a new agent into a closing call.
+LEFT_GRACE = 2.0
 JOIN_WAIT = 60.0  # seconds an assigned dispatch has for its agent to join (a job process may
 # have to start and load its models first, slowly on a busy host)
 
@@ -52,6 +57,8 @@ class RoomWatch:
     started: float
     agents: dict[str, float] = field(default_factory=dict)  # identity -> last heartbeat
     ended: set[str] = field(default_factory=set)  # agents that said goodbye (job ended normally)
+    left: dict[str, float] = field(default_factory=dict)  # agents gone without goodbye -> when
+    quiet_until: float = 0.0  # no "no agent" dispatch before this (an agent just left)
     last_dispatch: float | None = None
     dispatch_id: str | None = None  # ours, not yet answered by an agent joining
 
@@ -121,10 +128,10 @@ class CallKeeper:
         elif event.event == "participant_left" and event.participant.kind == ParticipantInfo.Kind.AGENT:
             watch = self.rooms.get(room)
             identity = event.participant.identity
-            if watch is not None and identity in watch.agents and identity not in watch.ended:
-                del watch.agents[identity]  # left without saying goodbye: a crash, or a removal
-                self._decide(room, f"agent {identity} left the room", identity)
-            elif watch is not None:
+            if watch is not None:
+                watch.quiet_until = now + LEFT_GRACE
+                if identity in watch.agents and identity not in watch.ended:
+                    watch.left[identity] = now  # a crash or a removal, unless "ended" comes soon
                 watch.agents.pop(identity, None)
         return web.Response(text="ok")
 
@@ -143,6 +150,8 @@ class CallKeeper:
         if body.get("state") == "ended":
             watch.ended.add(identity)
             watch.agents.pop(identity, None)
+            watch.left.pop(identity, None)
+            watch.quiet_until = now + LEFT_GRACE
         else:
             watch.agents[identity] = now
             watch.dispatch_id = None
@@ -174,8 +183,12 @@ class CallKeeper:
                 if now - beat > self.heartbeat_timeout:
                     del watch.agents[identity]
                     self._decide(name, f"no heartbeat from {identity} for {now - beat:.1f}s", identity)
+            for identity, at in list(watch.left.items()):
+                if now - at >= LEFT_GRACE:
+                    del watch.left[identity]
+                    self._decide(name, f"agent {identity} left the room", identity)
             waited = now - max(watch.started, watch.last_dispatch or watch.started)
-            if not watch.agents and waited > self.dispatch_wait:
+            if not watch.agents and not watch.left and now >= watch.quiet_until and waited > self.dispatch_wait:
                 self._decide(name, f"no agent after {waited:.1f}s", None)
 
     def _decide(self, room: str, reason: str, lost: str | None) -> None:
