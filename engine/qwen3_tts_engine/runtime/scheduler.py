@@ -231,7 +231,7 @@ class Scheduler:
                 if s.sentence < 0 and not self._next_sentence(s):
                     self._finish(s, events)
                     continue
-                self._prefill(s)
+                self._prompt(s)
             except Exception as e:  # this request's failure only
                 self._fail(s, e, events)
                 continue
@@ -249,7 +249,8 @@ class Scheduler:
         s.prefill = None
         return True
 
-    def _prefill(self, s: Stream) -> None:
+    def _prompt(self, s: Stream) -> None:
+        """The prompt of the stream's sentence (prefilled at the step it joins)."""
         s.prefill, s.trailing, s.pad_embed = _prefill(
             self.model, s.sentences[s.sentence], s.req, s.voice, s.instruct, s.ref_audio
         )
