@@ -148,8 +148,9 @@ async def sentence_runs(streaming_stt):
         run = Run(streaming_stt.stream())
         n_speech = round((0.3 + len(speech) / ROOM_RATE) * 1000 / FRAME_MS)
         await run.push_paced(frames[:n_speech])
-        for frame in frames[n_speech:]:
-            run.stream.push_frame(frame)
+        # the silence too: a pass it makes due ends before the flush (a flush during a pass is
+        # test_a_flush_during_a_pass_gets_its_interim_then_one_final)
+        await run.push_paced(frames[n_speech:])
         run.flush()
         await run.finish()
         reference = (await streaming_stt.recognize(frames)).alternatives[0].text
@@ -401,6 +402,26 @@ async def test_one_pass_at_a_time_and_new_audio_waits_for_the_next(scripted):
     run.flush()
     await run.finish()
     assert scripted.most_running == 1
+
+
+async def test_a_flush_during_a_pass_gets_its_interim_then_one_final(scripted):
+    """LiveKit's flush can come while an interim pass runs: the stream waits for the pass (its
+    interim is still sent, its words committed), then decodes the rest once, for one final."""
+    stt = faster_whisper.STT(model="bundled", streaming=True)
+    run = Run(stt.stream())
+    scripted.release.clear()
+    for frame in frames_of(tone(1.5)):
+        run.stream.push_frame(frame)
+    await asyncio.to_thread(scripted.started.wait, 30)
+    run.flush()
+    await wait_until(lambda: run.stream._flushing, "the flush to wait for the pass")
+    assert len(scripted.windows) == 1 and scripted.running == 1
+    scripted.release.set()
+    await run.finish()
+    after = run.kinds(run.events[run.flushes[0] :])
+    assert after == [Kind.INTERIM_TRANSCRIPT, Kind.FINAL_TRANSCRIPT, Kind.END_OF_SPEECH,
+                     Kind.RECOGNITION_USAGE], after  # fmt: skip
+    assert scripted.most_running == 1 and len(scripted.windows) <= 2
 
 
 async def test_closing_mid_decode_does_not_hang(scripted):
