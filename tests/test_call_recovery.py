@@ -6,7 +6,11 @@ tests/test_livekit_distribution.py, on one setup."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import sys
 
 import httpx
 import pytest
@@ -73,4 +77,85 @@ async def test_the_keeper_refuses_unsigned_webhooks_and_heartbeats(livekit_serve
             status = (await c.get(f"{base}/v1/status")).json()
             assert "agent-1" in status["rooms"]["r1"]["agents"]
     finally:
+        await runner.cleanup()
+
+
+# A job's heartbeats as the job sends them (recovery.CallRecord), in a process of its own that
+# can be killed; stdin "bye" ends the job normally (its shutdown callback, CallRecord.aclose).
+_JOB = """
+import asyncio, sys
+from types import SimpleNamespace as NS
+from voice_agent.recovery import CallRecord
+
+async def main():
+    room = NS(name=sys.argv[2], metadata="", local_participant=NS(identity=sys.argv[3]))
+    record = CallRecord(NS(room=room), NS(on=lambda *a: None), keeper_url=sys.argv[1]).start()
+    await asyncio.to_thread(sys.stdin.readline)
+    await record.aclose()
+
+asyncio.run(main())
+"""
+
+
+async def _until(predicate, what: str, timeout: float = 60.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_killed_jobs_heartbeat_socket_closes_and_the_keeper_acts_at_once(livekit_server):  # noqa: F811
+    """The keeper's timeout is 10 minutes at first: only the closed socket can make it act. A
+    job that says goodbye before its socket closes is not recovered; one that stops beating with
+    its socket open is found by the timeout."""
+    server = livekit_server
+    keeper = CallKeeper(server.url, server.api_key, server.api_secret, heartbeat_timeout=600.0)
+    port = free_port()
+    runner = await _serve(keeper, port)
+    env = {**os.environ, "LIVEKIT_API_KEY": server.api_key, "LIVEKIT_API_SECRET": server.api_secret}
+    jobs = {}
+    try:
+        async with httpx.AsyncClient() as c:  # a socket without a valid token is refused
+            r = await c.get(f"http://127.0.0.1:{port}/v1/heartbeat/ws", headers={
+                "Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13",
+                "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="})  # fmt: skip
+            assert r.status_code == 401
+        for name in ("killed", "ended", "frozen"):
+            jobs[name] = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", _JOB, f"http://127.0.0.1:{port}", f"room-{name}", f"agent-{name}",
+                stdin=asyncio.subprocess.PIPE, env=env)  # fmt: skip
+        for name in jobs:
+            await _until(lambda n=name: f"agent-{n}" in getattr(keeper.rooms.get(f"room-{n}"), "agents", {}),
+                         f"the {name} job's heartbeats")  # fmt: skip
+        await _until(lambda: len(keeper.sockets) == 3, "the three heartbeat sockets")
+        assert not keeper.decisions
+
+        jobs["killed"].kill()  # SIGKILL: no goodbye, the kernel closes the socket
+        await jobs["killed"].wait()
+        await _until(lambda: keeper.decisions, "the keeper's decision")
+        room, reason = keeper.decisions[0]
+        assert room == "room-killed" and "connection closed without a goodbye" in reason, reason
+
+        jobs["ended"].stdin.write(b"bye\n")
+        await jobs["ended"].stdin.drain()
+        assert await asyncio.wait_for(jobs["ended"].wait(), 30) == 0
+        await _until(lambda: ("room-ended", "agent-ended") not in keeper.sockets, "the ended job's socket to close")
+        assert "agent-ended" in keeper.rooms["room-ended"].ended
+        assert [room for room, _ in keeper.decisions] == ["room-killed"]
+
+        # a job that is alive but silent (a host cut off; here SIGSTOP): its socket stays open,
+        # and the heartbeat timeout finds it
+        keeper.heartbeat_timeout = 2.0
+        jobs["frozen"].send_signal(signal.SIGSTOP)
+        await _until(lambda: len(keeper.decisions) == 2, "the timeout's decision")
+        room, reason = keeper.decisions[1]
+        assert room == "room-frozen" and reason.startswith("no heartbeat from agent-frozen for "), reason
+        assert ("room-frozen", "agent-frozen") in keeper.sockets
+        jobs["frozen"].send_signal(signal.SIGCONT)
+    finally:
+        for proc in jobs.values():
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
         await runner.cleanup()

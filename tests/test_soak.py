@@ -56,6 +56,13 @@ def test_turns_are_counted_and_attributed_to_faults():
     never = {"name": "llm_outage", "t": 60.0, "t_recovered": None}  # never recovered: to the run's end
     assert unexplained_failures(turns, [fault, never], 100.0) == []
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([], 0.95) is None
+    # a livekit-server restart lands when the server goes away after its drain (t_struck): a
+    # turn begun during the drain and cut then was in flight; one begun after it is a later loss
+    restart = {"name": "livekit_restart", "t": 100.0, "t_struck": 110.0, "t_recovered": 130.0}
+    cut = [_turn(105, "failed", "agent_lost", done=111), _turn(115, "failed", "no_agent", done=118)]
+    assert lost_turns(restart, cut, 200.0) == {"in_flight": 1, "after_the_fault": 1,
+                                               "causes": {"agent_lost": 1, "no_agent": 1}}  # fmt: skip
+    assert lost_turns({**restart, "t_struck": None}, cut, 200.0)["in_flight"] == 0
 
 
 def test_memory_growth_and_slope():

@@ -5,8 +5,11 @@ agent participant lingers until the server's ping timeout (about 15-20 s) and th
 dispatched again; a room created while every worker reports full never gets an agent either.
 The keeper closes both gaps with LiveKit's own mechanisms:
 
-- every job posts a heartbeat (`POST /v1/heartbeat`, a LiveKit access token as the credential)
-  about once a second; a job whose heartbeats stop for `heartbeat_timeout` is lost: its agent
+- every job sends a heartbeat about once a second on a WebSocket (`GET /v1/heartbeat/ws`, a
+  LiveKit access token naming the room and agent as the credential; `POST /v1/heartbeat` takes
+  single beats). A job whose socket closes without its goodbye ("ended") died: its process was
+  killed, so the kernel closed the socket, and the keeper acts at once. A job whose heartbeats
+  stop for `heartbeat_timeout` (a host that is cut off) is lost too. Either way its agent
   participant is removed (RoomService.RemoveParticipant) and, if a caller is still in the room,
   a new agent is dispatched explicitly (AgentDispatchService.CreateDispatch) to a surviving worker;
 - server webhooks (`POST /webhook`, signed by LiveKit): `room_started` puts a room on watch (a room
@@ -25,9 +28,10 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
-from aiohttp import web
+from aiohttp import WSCloseCode, WSMsgType, web
 from livekit import api
 from livekit.protocol.models import ParticipantInfo
 
@@ -76,6 +80,9 @@ class CallKeeper:
         self._lk: api.LiveKitAPI | None = None
         self._task: asyncio.Task | None = None
         self._busy: set[str] = set()  # rooms with a decision in flight
+        self.decisions: deque[tuple[str, str]] = deque(maxlen=200)  # (room, reason), oldest first
+        self.sockets: set[tuple[str, str]] = set()  # (room, agent) of each open heartbeat socket
+        self._stopping = False
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -94,6 +101,7 @@ class CallKeeper:
         app = web.Application(client_max_size=MAX_BODY)
         app.router.add_post("/webhook", self._on_webhook)
         app.router.add_post("/v1/heartbeat", self._on_heartbeat)
+        app.router.add_get("/v1/heartbeat/ws", self._on_heartbeat_socket)
         app.router.add_get("/v1/status", self._on_status)
         app.router.add_get("/", lambda _: web.Response(text="OK"))
 
@@ -102,6 +110,11 @@ class CallKeeper:
 
         async def stopped(_app) -> None:
             await self.stop()
+
+        async def stopping(_app) -> None:  # our own shutdown closes the heartbeat sockets
+            self._stopping = True
+
+        app.on_shutdown.append(stopping)
 
         app.on_startup.append(started)
         app.on_cleanup.append(stopped)
@@ -145,9 +158,52 @@ class CallKeeper:
             return web.json_response({"error": f"bad heartbeat: {e}"}, status=401 if not token else 400)
         if claims.video is None or claims.video.room != room or claims.identity != identity:
             return web.json_response({"error": "the token is not for this room and agent"}, status=403)
+        self._beat(room, identity, body.get("state"))
+        return web.Response(text="ok")
+
+    async def _on_heartbeat_socket(self, request: web.Request) -> web.StreamResponse:
+        """Heartbeats on one WebSocket (`{"state": "alive"}` about once a second, `"ended"` as
+        the goodbye). The token names the room and the agent. A socket that closes without the
+        goodbye is a job that died (its process was killed, its host stopped): its call is
+        recovered at once instead of after `heartbeat_timeout`."""
+        token = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        try:
+            claims = self._verifier.verify(token)
+        except Exception as e:
+            return web.json_response({"error": f"bad heartbeat token: {e}"}, status=401)
+        room, identity = claims.video.room if claims.video else "", claims.identity
+        if not room or not identity:
+            return web.json_response({"error": "the token names no room or agent"}, status=403)
+        ws = web.WebSocketResponse(heartbeat=None, max_msg_size=MAX_BODY)
+        await ws.prepare(request)
+        state = None
+        self.sockets.add((room, identity))
+        try:
+            async for msg in ws:
+                if msg.type != WSMsgType.TEXT:
+                    break
+                try:
+                    state = json.loads(msg.data).get("state", "alive")
+                except (ValueError, AttributeError):
+                    await ws.close(code=WSCloseCode.UNSUPPORTED_DATA, message=b"not a heartbeat")
+                    return ws
+                self._beat(room, identity, state)
+                if state == "ended":
+                    break
+        finally:
+            self.sockets.discard((room, identity))
+        if state != "ended" and not self._stopping:
+            watch = self.rooms.get(room)
+            if watch is not None and identity in watch.agents:
+                del watch.agents[identity]
+                self._decide(room, f"no heartbeat from {identity}: its connection closed without "
+                             "a goodbye", identity)  # fmt: skip
+        return ws
+
+    def _beat(self, room: str, identity: str, state: str | None) -> None:
         now = time.monotonic()
         watch = self.rooms.setdefault(room, RoomWatch(started=now))
-        if body.get("state") == "ended":
+        if state == "ended":
             watch.ended.add(identity)
             watch.agents.pop(identity, None)
             watch.left.pop(identity, None)
@@ -155,13 +211,13 @@ class CallKeeper:
         else:
             watch.agents[identity] = now
             watch.dispatch_id = None
-        return web.Response(text="ok")
 
     async def _on_status(self, _request: web.Request) -> web.Response:
         now = time.monotonic()
         return web.json_response({
             "rooms": {name: {"agents": {a: round(now - t, 2) for a, t in w.agents.items()},
                              "age_s": round(now - w.started, 2)} for name, w in self.rooms.items()},
+            "heartbeat_sockets": len(self.sockets),
             "recoveries": [{"room": r.room, "reason": r.reason, "lost_agent": r.lost_agent,
                             "ago_s": round(now - r.at, 2), "dispatch_id": r.dispatch_id,
                             "error": r.error} for r in self.recoveries[-50:]],
@@ -195,6 +251,7 @@ class CallKeeper:
         if room in self._busy:
             return
         self._busy.add(room)
+        self.decisions.append((room, reason))
         watch = self.rooms.setdefault(room, RoomWatch(started=time.monotonic()))
         watch.last_dispatch = time.monotonic()  # also paces retries when nobody is there
         task = asyncio.create_task(self._recover(room, reason, lost))

@@ -13,6 +13,7 @@ import datetime
 import json
 import logging
 
+import aiohttp
 import httpx
 from livekit import api
 from livekit.agents import JobContext, llm
@@ -74,6 +75,7 @@ class CallRecord:
         self._write: asyncio.Task | None = None
         self._dirty = False
         self._beats: asyncio.Task | None = None
+        self._ws: aiohttp.ClientWebSocketResponse | None = None
 
     def start(self) -> CallRecord:
         self.session.on("conversation_item_added", self._on_item)
@@ -82,11 +84,20 @@ class CallRecord:
         return self
 
     async def aclose(self) -> None:
-        """The job ends normally: the keeper is told (so it does not recover the call)."""
+        """The job ends normally: the keeper is told (so it does not recover the call), on the
+        heartbeat socket before it closes (or in a single beat when there is no socket)."""
         if self._beats is not None:
+            said = False
+            if self._ws is not None and not self._ws.closed:
+                try:
+                    await asyncio.wait_for(self._ws.send_json({"state": "ended"}), 2)
+                    said = True
+                except Exception as e:  # the socket broke: the single beat below says it
+                    logger.debug("goodbye on the heartbeat socket: %s", e)
             self._beats.cancel()
             await asyncio.gather(self._beats, return_exceptions=True)
-            await self._beat(state="ended")
+            if not said:
+                await self._beat(state="ended")
         if self._write is not None:
             await asyncio.gather(self._write, return_exceptions=True)
 
@@ -132,8 +143,25 @@ class CallRecord:
             logger.debug("heartbeat to %s: %s", url, e)
 
     async def _heartbeats(self) -> None:
-        async with httpx.AsyncClient(timeout=2) as client:
+        """Beats on one WebSocket, so that the keeper notices at once when this process dies (the
+        kernel closes the socket); while the socket cannot be opened, single beats are posted."""
+        url = f"{self.keeper_url.rstrip('/')}/v1/heartbeat/ws".replace("http", "ws", 1)
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=2)
+        async with aiohttp.ClientSession(timeout=timeout) as http, httpx.AsyncClient(timeout=2) as client:
             while True:
+                try:
+                    async with http.ws_connect(url, headers={"Authorization": f"Bearer {self._token()}"},
+                                               heartbeat=None) as ws:  # fmt: skip
+                        self._ws = ws
+                        while not ws.closed:
+                            await ws.send_json({"state": "alive"})
+                            await asyncio.sleep(HEARTBEAT_S)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as e:  # refused, reset, closed by a restarting keeper
+                    logger.debug("heartbeat socket to %s: %s", url, e)
+                finally:
+                    self._ws = None
                 await self._beat(client=client)
                 await asyncio.sleep(HEARTBEAT_S)
 

@@ -370,6 +370,7 @@ class Soak:
         rec["t"] = t = self.clock()
         await asyncio.to_thread(stack.stop_livekit)
         rec["down_s"] = round(self.clock() - t, 2)
+        rec["t_struck"] = t + rec["down_s"]  # the server is gone (after its drain): calls are cut
         await asyncio.to_thread(stack.start_livekit)
         rec["up_s"] = round(self.clock() - t, 2)
         back = {}

@@ -61,10 +61,15 @@ def fault_phases(fault: dict, turns: list[dict], run_end: float, window: float) 
 
 
 def lost_turns(fault: dict, turns: list[dict], run_end: float) -> dict:
-    """Failed turns in this fault's window: in flight when it struck, or begun while it lasted."""
+    """Failed turns in this fault's window: in flight when it struck, or begun while it lasted.
+
+    A fault strikes when it is injected, except one that takes a while to land (`t_struck`: a
+    livekit-server stopped with SIGTERM drains for up to 10 s and only then goes away): a turn
+    begun in that moment and cut when it landed was in flight too."""
     t0, t1 = fault_window(fault, run_end)
+    struck = max(t0, fault.get("t_struck") or t0)
     failed = [t for t in turns if t["outcome"] == "failed"]
-    in_flight = [t for t in failed if t["t_start"] <= t0 <= t["t_done"]]
+    in_flight = [t for t in failed if t["t_start"] <= struck and t["t_done"] >= t0]
     later = [t for t in failed if t not in in_flight and t0 <= t["t_start"] <= t1]
     return {"in_flight": len(in_flight), "after_the_fault": len(later),
             "causes": dict(Counter(t["cause"] for t in in_flight + later))}  # fmt: skip
