@@ -240,7 +240,7 @@ def load_checkpoint(path: Path, *, keep_encoder: bool | None = None):
     from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
     from mlx_audio.utils import apply_quantization, load_config, load_weights
 
-    from .cpu_convs import on_cpu, use_matmul_convs
+    from .cpu_kernels import on_cpu, use_fast_cpu_kernels
 
     path = Path(path)
     # transformers warns "a model of type `qwen3_tts` ... of type ``" on every load of a correct
@@ -266,8 +266,8 @@ def load_checkpoint(path: Path, *, keep_encoder: bool | None = None):
         model.speech_tokenizer.encoder_model = None
     if config.get("qwen3_tts_vocoder_dtype"):
         cast_vocoder(model, config["qwen3_tts_vocoder_dtype"])
-    if on_cpu():  # mlx's CPU kernels for dilated and transposed convolutions are slow (cpu_convs.py)
-        use_matmul_convs(model.speech_tokenizer)
+    if on_cpu():  # mlx's CPU kernels for the vocoder's convolutions are slow (cpu_kernels.py)
+        use_fast_cpu_kernels(model.speech_tokenizer)
     release_freed_memory()
     return model
 

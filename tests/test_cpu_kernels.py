@@ -1,6 +1,6 @@
-"""The speech tokenizer's convolutions as matmuls on mlx's CPU backend (models/cpu_convs.py):
-the same results as mlx's own kernels, module by module and for a whole decode of the tiny
-checkpoint's vocoder."""
+"""The speech tokenizer on mlx's CPU backend (models/cpu_kernels.py): convolutions as matmuls
+and Snake activations with a square give the same results as mlx-audio's modules on mlx's own
+kernels, module by module and for a whole decode of the tiny checkpoint's vocoder."""
 
 from __future__ import annotations
 
@@ -8,19 +8,22 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import DecoderOutputSnake, SnakeBeta
 
-from qwen3_tts_engine.models.cpu_convs import (
+from qwen3_tts_engine.models.cpu_kernels import (
     MatmulConv1d,
     MatmulConvTranspose1d,
+    SquareDecoderOutputSnake,
+    SquareSnakeBeta,
     on_cpu,
-    use_matmul_convs,
+    use_fast_cpu_kernels,
 )
 from qwen3_tts_engine.models.loading import load_checkpoint
 
 
 def _both(module: nn.Module, x: mx.array) -> tuple[np.ndarray, np.ndarray]:
     ref = np.array(module(x))
-    assert use_matmul_convs(module) == 1
+    assert use_fast_cpu_kernels(module) == 1
     return ref, np.array(module(x))
 
 
@@ -41,7 +44,7 @@ def test_conv1d_as_a_matmul_equals_mlx(cin, cout, k, dilation, padding, bias, fr
 
 def test_conv1d_shorter_than_its_kernel_fails_as_mlx_does():
     conv = nn.Conv1d(8, 8, 7, dilation=9)
-    use_matmul_convs(conv)
+    use_fast_cpu_kernels(conv)
     with pytest.raises(ValueError, match="cannot be smaller than weight"):
         conv(mx.zeros((1, 40, 8)))
 
@@ -61,18 +64,27 @@ def test_transposed_conv1d_as_a_matmul_equals_mlx(cin, cout, k, stride, padding,
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("cls", [SnakeBeta, DecoderOutputSnake])
+def test_snake_with_a_square_equals_mlx_audios(cls):
+    snake = cls(65)
+    snake.alpha, snake.beta = mx.random.normal((65,)) * 0.5, mx.random.normal((65,)) * 0.5
+    ref, ours = _both(snake, mx.random.normal((2, 500, 65)) * 3)
+    assert type(snake) in (SquareSnakeBeta, SquareDecoderOutputSnake)
+    np.testing.assert_allclose(ours, ref, atol=1e-5, rtol=1e-6)
+
+
 def test_grouped_and_strided_convolutions_keep_mlxs_kernels():
     module = nn.Sequential(nn.Conv1d(8, 8, 3, groups=4), nn.Conv1d(8, 8, 4, stride=2),
                            nn.ConvTranspose1d(8, 8, 4, stride=2, dilation=2))  # fmt: skip
-    assert use_matmul_convs(module) == 0
+    assert use_fast_cpu_kernels(module) == 0
     assert [type(m) for m in module.layers] == [nn.Conv1d, nn.Conv1d, nn.ConvTranspose1d]
 
 
-@pytest.mark.skipif(not on_cpu(), reason="the matmul convolutions are for mlx's CPU backend")
+@pytest.mark.skipif(not on_cpu(), reason="these kernels are for mlx's CPU backend")
 def test_the_loaded_vocoder_decodes_as_with_mlxs_kernels(tiny_checkpoint):
     """A loaded model's speech decoder computes with the matmul convolutions (its dilated
-    residual units and transposed upsamplers among them); its audio for random codes equals the
-    audio of the same decoder with mlx's kernels."""
+    residual units and transposed upsamplers among them) and the squaring Snakes; its audio for
+    random codes equals the audio of the same decoder with mlx-audio's modules."""
     from qwen3_tts_engine.runtime.vocoder import windowed_decode
 
     model = load_checkpoint(tiny_checkpoint())
@@ -84,11 +96,10 @@ def test_the_loaded_vocoder_decodes_as_with_mlxs_kernels(tiny_checkpoint):
 
     codes = mx.random.randint(0, 2048, (1, 16, 12), key=mx.random.key(3))
     ours = np.array(windowed_decode(decoder, codes))
-    for _, m in decoder.named_modules():  # back to mlx's kernels
-        if type(m) is MatmulConv1d:
-            m.__class__ = nn.Conv1d
-        elif type(m) is MatmulConvTranspose1d:
-            m.__class__ = nn.ConvTranspose1d
+    assert {SquareSnakeBeta, SquareDecoderOutputSnake} <= kinds
+    for _, m in decoder.named_modules():  # back to mlx-audio's modules
+        if type(m) in (MatmulConv1d, MatmulConvTranspose1d, SquareSnakeBeta, SquareDecoderOutputSnake):
+            m.__class__ = type(m).__mro__[1]
     ref = np.array(windowed_decode(decoder, codes))
     assert ours.shape == ref.shape and np.abs(ref).max() > 0
     np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
