@@ -104,9 +104,12 @@ async def test_a_pause_mid_sentence_does_not_end_the_turn(engine, spans):
 
 async def test_preemptive_generation_redoes_a_reply_whose_transcript_changed(engine):
     """The LLM starts on the final transcript of the words before the pause (preemptive), the
-    caller goes on, and the reply comes from the request with the whole transcript."""
+    caller goes on, and the reply comes from the request with the whole transcript. The turn
+    cannot be committed in the 0.45 s pause (2 s endpointing delay, no transcript check): with
+    the default 0.5 s, whether the caller's next words are heard before the commit is a race
+    that a fast machine loses."""
     settings = Settings(tts_url=f"http://127.0.0.1:{engine.port}", llm_model="scripted", offline=True,
-                        turn_detector="none")  # no check: the pause alone decides  # fmt: skip
+                        turn_detector="none", endpointing_min_delay=2.0)  # fmt: skip
     chat = await ScriptedChatServer(use_tool=False, echo=True).start()
     try:
         (report,) = await run_turns(settings, [_paused("Please remind me to call", 0.45, "my mother at six.")],

@@ -67,12 +67,17 @@ async def _variant(model: str, variant: str, repeats: int, frames_cap: int) -> d
 
 
 def _direct_first_audio(model: str, repeats: int, frames: int, queue) -> None:
-    """mlx-audio's own streaming generate() in this (spawned) process's main thread."""
+    """mlx-audio's own streaming generate() in this (spawned) process's main thread, on the
+    engine's CPU kernels (the ratio against it is the serving's overhead, not the kernels')."""
     import mlx.core as mx
     from mlx_audio.tts.utils import load_model
 
+    from qwen3_tts_engine.models.cpu_kernels import on_cpu, use_fast_cpu_kernels
+
     with contextlib.redirect_stdout(sys.stderr):  # mlx-audio prints while loading: keep stdout JSON
         m = load_model(Path(model))
+    if on_cpu():
+        use_fast_cpu_kernels(m.speech_tokenizer)
     voice = sorted(m.config.talker_config.spk_id or {})[0]
     out = []
     for i in range(repeats + 1):  # the first run warms up, as the handler's warm-up does
