@@ -1,4 +1,4 @@
-"""Smoke runs of the five benchmark commands as a user runs them (real subprocesses, tiny
+"""Smoke runs of the six benchmark commands as a user runs them (real subprocesses, tiny
 checkpoints, offline assets), with their smallest settings: the JSON has the fields the README
 documents and the measured numbers are positive. Speed numbers are not checked.
 
@@ -181,3 +181,23 @@ def test_voice_agent_bench(tmp_path):
     assert report["contention_ratio"] == pytest.approx(
         report["tts_first_audio_llm_busy_s"]["p50"] / report["tts_first_audio_idle_s"]["p50"])
     assert report["goal_ratio"] == 1.3
+
+
+def test_qwen3_tts_bench_concurrency(tiny_checkpoint):
+    """`bench concurrency` at 1 and 2 streams, 4 frames each, one repeat, all three paths."""
+    model = str(tiny_checkpoint("custom_voice"))
+    report = _run("qwen3-tts", "bench", "concurrency", "--model", model, "--streams", "2,1",
+                  "--frames", "4", "--repeats", "1")  # fmt: skip
+    assert report["streams"] == [1, 2] and report["frames_per_stream"] == 4
+    for path in ("codes", "codes_unbatched", "full", "http"):
+        for n in (1, 2):
+            level = report["paths"][path][str(n)]
+            _summary(level["first_audio_s"], f"{path} {n} first_audio_s", n=n)
+            _summary(level["rtf_per_stream"], f"{path} {n} rtf_per_stream", n=n)
+            _positive(level["frames_per_s"], f"{path} {n} frames_per_s")
+        assert report["ratios"][path]["1"] == {"first_audio_p95_ratio": 1.0, "frames_per_s_ratio": 1.0}
+        _positive(report["ratios"][path]["2"]["first_audio_p95_ratio"], f"{path} ratio")
+    # the same seeded requests batched and one by one: every stream is compared
+    assert report["paths"]["codes"]["2"]["determinism"]["streams"] == 2
+    assert 0 <= report["paths"]["full"]["2"]["vocoder_share"] <= 1
+    assert set(report["paths"]["http"]["2"]["server_step_s"]) == {"step_s_p50", "step_s_p95", "batch_occupancy"}

@@ -137,17 +137,20 @@ def _in_process(model_path: str, levels: list[int], frames: int, repeats: int) -
     _level(model, _requests(1, 4, voice, 99), batch=1, decode=True)  # warm-up
     paths: dict = {"codes": {}, "codes_unbatched": {}, "full": {}}
     raw: dict = {}
+    # round-robin: each repeat runs every level and path once, so a machine that slows down or
+    # speeds up during the run weighs on all levels alike (the ratios compare them)
+    for r in range(repeats):
+        print(f"  in process, repeat {r + 1} of {repeats}", file=sys.stderr, flush=True)
+        for n in levels:
+            for path, batch, decode in (("codes", n, False), ("codes_unbatched", 1, False), ("full", n, True)):
+                if path == "codes_unbatched" and n == 1:
+                    continue
+                run = _level(model, _requests(n, frames, voice, r), batch=batch, decode=decode)
+                raw.setdefault((path, n), []).append(run)
     for n in levels:
-        print(f"  in process, {n} stream(s)", file=sys.stderr, flush=True)
-        for path, batch, decode in (("codes", n, False), ("codes_unbatched", 1, False), ("full", n, True)):
-            if path == "codes_unbatched" and n == 1:
-                paths[path][str(n)] = paths["codes"][str(n)]
-                raw[path, n] = raw["codes", n]
-                continue
-            runs = [_level(model, _requests(n, frames, voice, r), batch=batch, decode=decode)
-                    for r in range(repeats)]  # fmt: skip
-            paths[path][str(n)] = _collect(runs)
-            raw[path, n] = runs
+        raw["codes_unbatched", n] = raw["codes_unbatched", n] if n > 1 else raw["codes", n]
+        for path in paths:
+            paths[path][str(n)] = _collect(raw[path, n])
         if n > 1:
             paths["codes"][str(n)]["determinism"] = _flips(raw["codes", n], raw["codes_unbatched", n])
     one = paths["full"][str(levels[0])].get("mlx_peak_bytes")
@@ -179,13 +182,13 @@ async def _http(model_path: str, levels: list[int], frames: int, repeats: int) -
     await server.start()
     url = f"http://127.0.0.1:{server.port}/v1/audio/speech"
     voice = (server.engine.active.info["voices"] or [None])[0]
-    out = {}
+    runs: dict[int, list] = {n: [] for n in levels}
+    steps: dict[int, dict] = {}
     try:
         async with httpx.AsyncClient(timeout=600) as client:
-            for n in levels:
-                print(f"  HTTP, {n} stream(s)", file=sys.stderr, flush=True)
-                runs = []
-                for r in range(repeats):
+            for r in range(repeats):  # round-robin over the levels, as in process
+                print(f"  HTTP, repeat {r + 1} of {repeats}", file=sys.stderr, flush=True)
+                for n in levels:
                     t0 = time.perf_counter()
                     results = await asyncio.gather(*(
                         _http_stream(client, url, {**req.to_dict(), "stream": True,
@@ -193,15 +196,14 @@ async def _http(model_path: str, levels: list[int], frames: int, repeats: int) -
                         for req in _requests(n, frames, voice, r)
                     ))  # fmt: skip
                     wall = max(end for _, end, _ in results)
-                    runs.append({"first": [f for f, _, _ in results],
-                                 "rtf": [end / secs for _, end, secs in results],
-                                 "frames_per_s": sum(secs for _, _, secs in results) * FRAME_RATE / wall})  # fmt: skip
-                out[str(n)] = _collect(runs)
-                out[str(n)]["server_step_s"] = {k: server.engine.active.batching.get(k)
-                                                for k in ("step_s_p50", "step_s_p95", "batch_occupancy")}  # fmt: skip
+                    runs[n].append({"first": [f for f, _, _ in results],
+                                    "rtf": [end / secs for _, end, secs in results],
+                                    "frames_per_s": sum(secs for _, _, secs in results) * FRAME_RATE / wall})  # fmt: skip
+                    steps[n] = {k: server.engine.active.batching.get(k)  # the server's recent steps
+                                for k in ("step_s_p50", "step_s_p95", "batch_occupancy")}  # fmt: skip
     finally:
         await server.stop()
-    return out
+    return {str(n): {**_collect(runs[n]), "server_step_s": steps[n]} for n in levels}
 
 
 def _ratios(path: dict) -> dict:
