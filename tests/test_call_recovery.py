@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from livekit import api
 
-from voice_agent.keeper import CallKeeper
+from voice_agent.keeper import FIRST_BEAT_GRACE, CallKeeper, RoomWatch
 from voice_agent.recovery import (
     HISTORY_CHARS,
     HISTORY_TURNS,
@@ -159,3 +159,21 @@ async def test_a_killed_jobs_heartbeat_socket_closes_and_the_keeper_acts_at_once
                 proc.kill()
                 await proc.wait()
         await runner.cleanup()
+
+
+async def test_a_joined_agent_has_a_grace_before_its_first_heartbeat(monkeypatch):
+    """The join webhook comes before the job's session has started (seconds on a busy host, when
+    the first heartbeat goes out): the timeout counts from FIRST_BEAT_GRACE after the join."""
+    keeper = CallKeeper("ws://127.0.0.1:1", "key", "secret" * 6, heartbeat_timeout=3.0)
+
+    async def recover(*_args) -> None:  # the decision is what is tested, not the LiveKit calls
+        return None
+
+    monkeypatch.setattr(keeper, "_recover", recover)
+    joined = 100.0
+    keeper.rooms["r"] = RoomWatch(started=joined, agents={"agent-1": joined + FIRST_BEAT_GRACE})
+    keeper.check(joined + 3.5)  # past the timeout after the join, but within the grace
+    assert not keeper.decisions
+    keeper.check(joined + FIRST_BEAT_GRACE + 3.5)  # no beat ever came
+    assert [room for room, _ in keeper.decisions] == ["r"]
+    await asyncio.sleep(0)  # the decision's task ends

@@ -42,6 +42,7 @@ MAX_BODY = 64 * 1024
 # deletes the room; a hang-up) leaves the room before its last heartbeat says "ended" and before
 # the room is gone, and a dispatch in that moment would send a new agent into a closing call.
 LEFT_GRACE = 2.0
+FIRST_BEAT_GRACE = 10.0  # seconds a joined agent has before its heartbeats count (see below)
 JOIN_WAIT = 60.0  # seconds an assigned dispatch has for its agent to join (a job process may
 # have to start and load its models first, slowly on a busy host)
 
@@ -136,7 +137,9 @@ class CallKeeper:
             self.rooms.pop(room, None)
         elif event.event == "participant_joined" and event.participant.kind == ParticipantInfo.Kind.AGENT:
             watch = self.rooms.setdefault(room, RoomWatch(started=now))
-            watch.agents.setdefault(event.participant.identity, now)
+            # its job beats once its session has started, seconds after the join on a busy host:
+            # the heartbeat timeout runs from FIRST_BEAT_GRACE after the join
+            watch.agents.setdefault(event.participant.identity, now + FIRST_BEAT_GRACE)
             watch.dispatch_id = None
         elif event.event == "participant_left" and event.participant.kind == ParticipantInfo.Kind.AGENT:
             watch = self.rooms.get(room)
