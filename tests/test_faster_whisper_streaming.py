@@ -384,13 +384,19 @@ def scripted(monkeypatch):
     return decoder
 
 
-async def test_one_pass_at_a_time_and_new_audio_waits_for_the_next(scripted):
+async def _held_pass(scripted: ScriptedDecoder, seconds: float) -> Run:
+    """A streaming run given `seconds` of tone, once its first pass has started and is held."""
     stt = faster_whisper.STT(model="bundled", streaming=True)
     run = Run(stt.stream())
     scripted.release.clear()
-    for frame in frames_of(tone(1.2)):
+    for frame in frames_of(tone(seconds)):
         run.stream.push_frame(frame)
     await asyncio.to_thread(scripted.started.wait, 30)
+    return run
+
+
+async def test_one_pass_at_a_time_and_new_audio_waits_for_the_next(scripted):
+    run = await _held_pass(scripted, 1.2)
     for frame in frames_of(tone(3.0)):  # 3 s more while the first pass is held
         run.stream.push_frame(frame)
     await wait_until(lambda: run.stream._tracker.end_sample >= 4.1 * 16000, "the audio read")
@@ -407,12 +413,7 @@ async def test_one_pass_at_a_time_and_new_audio_waits_for_the_next(scripted):
 async def test_a_flush_during_a_pass_gets_its_interim_then_one_final(scripted):
     """LiveKit's flush can come while an interim pass runs: the stream waits for the pass (its
     interim is still sent, its words committed), then decodes the rest once, for one final."""
-    stt = faster_whisper.STT(model="bundled", streaming=True)
-    run = Run(stt.stream())
-    scripted.release.clear()
-    for frame in frames_of(tone(1.5)):
-        run.stream.push_frame(frame)
-    await asyncio.to_thread(scripted.started.wait, 30)
+    run = await _held_pass(scripted, 1.5)
     run.flush()
     await wait_until(lambda: run.stream._flushing, "the flush to wait for the pass")
     assert len(scripted.windows) == 1 and scripted.running == 1
@@ -425,12 +426,7 @@ async def test_a_flush_during_a_pass_gets_its_interim_then_one_final(scripted):
 
 
 async def test_closing_mid_decode_does_not_hang(scripted):
-    stt = faster_whisper.STT(model="bundled", streaming=True)
-    run = Run(stt.stream())
-    scripted.release.clear()
-    for frame in frames_of(tone(1.5)):
-        run.stream.push_frame(frame)
-    await asyncio.to_thread(scripted.started.wait, 30)
+    run = await _held_pass(scripted, 1.5)
     await asyncio.wait_for(run.stream.aclose(), 5)  # returns with the pass still held
     assert scripted.running == 1
     scripted.release.set()
