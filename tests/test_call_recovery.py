@@ -7,6 +7,8 @@ tests/test_livekit_distribution.py, on one setup."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import json
 import os
 import signal
@@ -177,3 +179,45 @@ async def test_a_joined_agent_has_a_grace_before_its_first_heartbeat(monkeypatch
     keeper.check(joined + FIRST_BEAT_GRACE + 3.5)  # no beat ever came
     assert [room for room, _ in keeper.decisions] == ["r"]
     await asyncio.sleep(0)  # the decision's task ends
+
+
+def _signed_webhook(server, event: str, room: str) -> tuple[str, dict]:
+    """A webhook body and headers as livekit-server signs them (the body's sha256 in the token)."""
+    body = json.dumps({"event": event, "room": {"name": room}})
+    digest = base64.b64encode(hashlib.sha256(body.encode()).digest()).decode()
+    token = api.AccessToken(server.api_key, server.api_secret).with_sha256(digest).to_jwt()
+    return body, {"Authorization": token, "Content-Type": "application/webhook+json"}
+
+
+async def test_a_room_started_again_keeps_its_watch_against_an_older_decision(livekit_server):  # noqa: F811
+    """soak20e: after a livekit-server restart, a caller's room started again on the new server
+    while a decision about its old incarnation was asking the server about it. The answer (no
+    such room) must not make the keeper forget the new incarnation, or its caller would never get
+    an agent. `room_started` gives a room a fresh watch (keeping the agents whose jobs beat);
+    a decision forgets only the watch it was made for; LiveKit out of reach forgets nothing."""
+    server = livekit_server
+    keeper = CallKeeper(server.url, server.api_key, server.api_secret, dispatch_wait=600.0)
+    port = free_port()
+    runner = await _serve(keeper, port)  # its startup opens the keeper's LiveKit API client
+    try:
+        keeper.rooms["r"] = old = RoomWatch(started=0.0, agents={"agent-1": 0.0}, quiet_until=1e9)
+        async with httpx.AsyncClient() as c:
+            body, headers = _signed_webhook(server, "room_started", "r")
+            assert (await c.post(f"http://127.0.0.1:{port}/webhook", content=body, headers=headers)).status_code == 200
+        new = keeper.rooms["r"]
+        assert new is not old and new.started > 0.0 and new.quiet_until == 0.0
+        assert new.agents == {"agent-1": 0.0}  # a job still beating may rejoin the new room
+        await keeper._recover("r", "no agent", None, old)  # the server has no room "r": NOT_FOUND
+        assert keeper.rooms.get("r") is new
+        await keeper._recover("r", "no agent", None, new)  # a decision about the room it knows
+        assert "r" not in keeper.rooms
+    finally:
+        await runner.cleanup()
+    down = CallKeeper(f"ws://127.0.0.1:{free_port()}", server.api_key, server.api_secret)  # nobody listens
+    await down.start()
+    try:
+        down.rooms["r"] = watch = RoomWatch(started=0.0)
+        await down._recover("r", "no agent", None, watch)  # no exception: the next check retries
+        assert down.rooms.get("r") is watch and not down.recoveries
+    finally:
+        await down.stop()

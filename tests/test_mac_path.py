@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import wave
 from pathlib import Path
@@ -350,30 +351,45 @@ def test_newest_progress_takes_the_last_redrawn_bar():
 
 def test_a_service_drawing_progress_is_waited_for_past_the_timeout(tmp_path, monkeypatch):
     """A first start downloads for minutes: its bars go to the terminal, and the timeout counts
-    from the last one (here 1 s, while the stand-in service draws bars for ~2.5 s)."""
+    from the last one. Here the timeout is 2 s and the bars go on for longer: each next bar is
+    drawn once the terminal showed the previous one (the wait looks every 0.25 s, so 12 bars take
+    at least 2.75 s), and the service answers only after the last bar, so no gap depends on how
+    fast this machine starts a process."""
     port, log = _free_port(), tmp_path / "service.log"
     log.write_text("an earlier start: Fetching 1 files: 100%|##########| 1/1\n")
-    code = (f"import sys, time, http.server\n"
-            f"for i in range(1, 11):\n"
-            f"    sys.stderr.write(f'\\rFetching 10 files: {{10 * i}}%|{{\"#\" * i}}| {{i}}/10')\n"
-            f"    sys.stderr.flush(); time.sleep(0.25)\n"
+    code = (f"import sys, http.server\n"
+            f"sys.stdin.readline()\n"  # the downloads are done: it answers from now on
             f"http.server.HTTPServer(('127.0.0.1', {port}), http.server.SimpleHTTPRequestHandler)"
             f".serve_forever()\n")  # fmt: skip
-    with open(log, "ab") as fh:
-        offset = fh.tell()
-        proc = subprocess.Popen([sys.executable, "-c", code], stderr=fh, cwd=tmp_path)
+    offset = log.stat().st_size
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, cwd=tmp_path, text=True)
     terminal = _Terminal()
+    bars = [f"Fetching 12 files: {100 * i // 12}%|{'#' * i}| {i}/12" for i in range(1, 13)]
+
+    def service() -> None:  # its downloads, drawn into its log as tqdm draws them
+        for bar in bars:
+            with open(log, "a") as fh:
+                fh.write(f"\r{bar}")
+            deadline = time.monotonic() + 60
+            while bar not in terminal.getvalue() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+
     monkeypatch.setattr(sys, "stderr", terminal)
+    drawing = threading.Thread(target=service, daemon=True)
     try:
         t0 = time.monotonic()
-        local_services._wait(f"http://127.0.0.1:{port}/", proc, "the local TTS engine", 1.0, log,
+        drawing.start()
+        local_services._wait(f"http://127.0.0.1:{port}/", proc, "the local TTS engine", 2.0, log,
                              port, offset)  # fmt: skip
         assert time.monotonic() - t0 > 2.0
     finally:
+        drawing.join(65)
         proc.kill()
         proc.wait()
     shown = terminal.getvalue()
-    assert "\rvoice-agent: the local TTS engine: Fetching 10 files: 100%|##########| 10/10" in shown
+    assert all(f"\rvoice-agent: the local TTS engine: {bar}" in shown for bar in bars)
     assert "earlier start" not in shown and shown.endswith("\n")
 
 

@@ -31,6 +31,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import aiohttp
 from aiohttp import WSCloseCode, WSMsgType, web
 from livekit import api
 from livekit.protocol.models import ParticipantInfo
@@ -104,7 +105,7 @@ class CallKeeper:
         app.router.add_post("/v1/heartbeat", self._on_heartbeat)
         app.router.add_get("/v1/heartbeat/ws", self._on_heartbeat_socket)
         app.router.add_get("/v1/status", self._on_status)
-        app.router.add_get("/", lambda _: web.Response(text="OK"))
+        app.router.add_get("/", self._on_root)
 
         async def started(_app) -> None:
             await self.start()
@@ -123,6 +124,9 @@ class CallKeeper:
 
     # -- inputs -------------------------------------------------------------------------------
 
+    async def _on_root(self, _request: web.Request) -> web.Response:
+        return web.Response(text="OK")
+
     async def _on_webhook(self, request: web.Request) -> web.Response:
         body = await request.text()
         try:
@@ -132,7 +136,10 @@ class CallKeeper:
         now = time.monotonic()
         room = event.room.name
         if event.event == "room_started":
-            self.rooms.setdefault(room, RoomWatch(started=now))
+            # a new room, or the same name again (a restarted server, a caller calling back): a
+            # fresh watch, keeping only the agents whose jobs beat (they may rejoin it)
+            old = self.rooms.get(room)
+            self.rooms[room] = RoomWatch(started=now, agents=dict(old.agents) if old else {})
         elif event.event == "room_finished":
             self.rooms.pop(room, None)
         elif event.event == "participant_joined" and event.participant.kind == ParticipantInfo.Kind.AGENT:
@@ -257,11 +264,13 @@ class CallKeeper:
         self.decisions.append((room, reason))
         watch = self.rooms.setdefault(room, RoomWatch(started=time.monotonic()))
         watch.last_dispatch = time.monotonic()  # also paces retries when nobody is there
-        task = asyncio.create_task(self._recover(room, reason, lost))
+        task = asyncio.create_task(self._recover(room, reason, lost, watch))
         task.add_done_callback(lambda _t: self._busy.discard(room))
 
-    async def _recover(self, room: str, reason: str, lost: str | None) -> None:
-        """Remove the lost agent (if any); dispatch a new one if a caller is still there."""
+    async def _recover(self, room: str, reason: str, lost: str | None, watch: RoomWatch) -> None:
+        """Remove the lost agent (if any); dispatch a new one if a caller is still there. `watch`:
+        the room's watch when this was decided; a room started again meanwhile (a webhook while
+        the LiveKit calls below were on their way) has a new one, which is not forgotten here."""
         assert self._lk is not None
         if lost is not None:
             try:
@@ -272,14 +281,17 @@ class CallKeeper:
             people = (await self._lk.room.list_participants(api.ListParticipantsRequest(room=room))).participants
         except api.TwirpError as e:
             if e.code == api.TwirpErrorCode.NOT_FOUND:
-                self.rooms.pop(room, None)
+                self._forget(room, watch)
                 return
             raise
+        except aiohttp.ClientError as e:  # the server is down (restarting): the next check retries
+            logger.warning("room %s: %s; LiveKit unreachable: %s", room, reason, e)
+            return
         callers = [p for p in people if p.kind in CALLER_KINDS]
         agents = [p for p in people if p.kind == ParticipantInfo.Kind.AGENT and p.identity != lost]
         if not callers:
             if not agents:
-                self.rooms.pop(room, None)  # nobody waits: LiveKit closes the room by itself
+                self._forget(room, watch)  # nobody waits: LiveKit closes the room by itself
             return
         if agents:
             return  # another agent is there already
@@ -298,6 +310,10 @@ class CallKeeper:
         except Exception as e:
             recovery.error = f"{type(e).__name__}: {e}"
             logger.error("room %s: %s; dispatch failed: %s", room, reason, recovery.error)
+
+    def _forget(self, room: str, watch: RoomWatch) -> None:
+        if self.rooms.get(room) is watch:
+            del self.rooms[room]
 
     async def _retire(self, room: str, dispatch_id: str) -> bool:
         """Our earlier dispatch: True when it may be replaced (no worker took it: it is deleted, so

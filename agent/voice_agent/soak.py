@@ -442,6 +442,9 @@ class Soak:
                        "met": worst is not None and worst < MEMORY_GROWTH_PCT, "processes": processes},
             "llm_proxy": {"passed": self.proxy.passed if self.proxy else 0,
                           "refused": self.proxy.refused if self.proxy else 0},
+            "keeper_recoveries": [{"t": round(r.at - self.t0, 2), "room": r.room, "reason": r.reason,
+                                   "lost_agent": r.lost_agent, "dispatch": r.dispatch_id, "error": r.error}
+                                  for r in (self.keeper.recoveries if self.keeper else [])],
             "turn_log": turns,
         }  # fmt: skip
 

@@ -208,9 +208,11 @@ class CallerLoop:
         if not call.room.isconnected():
             return self._record(t_start, None, "failed", "disconnected", room=room)
         agent = await _until(call.listening_agent, self.agent_wait)
-        if agent is None:
+        if agent is None:  # what the caller saw instead: the report shows why nobody listened
+            seen = [{"identity": p.identity, "kind": int(p.kind), "state": p.attributes.get("lk.agent.state")}
+                    for p in call.room.remote_participants.values()]  # fmt: skip
             return self._record(t_start, None, "failed", "no_agent" if call.room.isconnected() else "disconnected",
-                                room=room)  # fmt: skip
+                                room=room, seen=seen)  # fmt: skip
         identity, worker = agent.identity, agent.attributes.get("worker")
         if self.lost_agent is not None and identity != self.lost_agent:
             # a new agent took over the call: as a person would, let it say it is back first
