@@ -17,7 +17,7 @@ import sys
 import httpx
 import pytest
 from aiohttp import web
-from livekit import api
+from livekit import api, rtc
 
 from voice_agent.keeper import FIRST_BEAT_GRACE, CallKeeper, RoomWatch
 from voice_agent.recovery import (
@@ -221,3 +221,31 @@ async def test_a_room_started_again_keeps_its_watch_against_an_older_decision(li
         assert down.rooms.get("r") is watch and not down.recoveries
     finally:
         await down.stop()
+
+
+async def test_the_keeper_finds_a_waiting_caller_no_webhook_told_of(livekit_server):  # noqa: F811
+    """Webhooks are best effort (one lost, a keeper restarted, a room started again on a restarted
+    server): the keeper's sweep of the server's room list watches a room with a caller that it
+    never heard of, and that room gets an agent dispatched. No worker is registered here: the
+    dispatch is made and waits for one."""
+    server = livekit_server
+    keeper = CallKeeper(server.url, server.api_key, server.api_secret, dispatch_wait=0.5, tick=0.1,
+                         sweep=0.5)  # fmt: skip
+    caller = rtc.Room()
+    token = (api.AccessToken(server.api_key, server.api_secret).with_identity("caller-unheard")
+             .with_grants(api.VideoGrants(room_join=True, room="room-unheard")).to_jwt())  # fmt: skip
+    await caller.connect(server.url, token)
+    await keeper.start()  # no webhooks reach this keeper: it listens nowhere
+    try:
+        await _until(lambda: "room-unheard" in keeper.rooms, "the sweep")
+        await _until(lambda: any(r.room == "room-unheard" for r in keeper.recoveries), "a dispatch")
+        recovery = next(r for r in keeper.recoveries if r.room == "room-unheard")
+        assert recovery.error is None and recovery.dispatch_id and recovery.lost_agent is None
+        assert recovery.reason.startswith("no agent after")
+        async with api.LiveKitAPI(server.http_url, server.api_key, server.api_secret) as lk:
+            dispatches = await lk.agent_dispatch.list_dispatch("room-unheard")
+        # LiveKit's own automatic dispatch of the new room (no worker took it either) and ours
+        assert recovery.dispatch_id in [d.id for d in dispatches]
+    finally:
+        await caller.disconnect()
+        await keeper.stop()

@@ -15,7 +15,8 @@ The keeper closes both gaps with LiveKit's own mechanisms:
 - server webhooks (`POST /webhook`, signed by LiveKit): `room_started` puts a room on watch (a room
   that has a caller and no agent after `dispatch_wait` gets an explicit dispatch, retried until an
   agent comes), `participant_left` of an agent while a caller stays triggers a dispatch (after LEFT_GRACE),
-  `room_finished` forgets the room. Decisions wait LEFT_GRACE after an agent leaves: a job that
+  `room_finished` forgets the room. Every SWEEP_S the server's room list adds the rooms with
+  participants that no webhook told of. Decisions wait LEFT_GRACE after an agent leaves: a job that
   ends on purpose leaves before its last heartbeat ("ended") and before its room is deleted.
 
 The new agent picks the conversation up from the room's metadata, where each job keeps the last
@@ -44,6 +45,7 @@ MAX_BODY = 64 * 1024
 # the room is gone, and a dispatch in that moment would send a new agent into a closing call.
 LEFT_GRACE = 2.0
 FIRST_BEAT_GRACE = 10.0  # seconds a joined agent has before its heartbeats count (see below)
+SWEEP_S = 10.0  # seconds between looks at the server's room list (rooms no webhook told of)
 JOIN_WAIT = 60.0  # seconds an assigned dispatch has for its agent to join (a job process may
 # have to start and load its models first, slowly on a busy host)
 
@@ -71,10 +73,12 @@ class RoomWatch:
 
 class CallKeeper:
     def __init__(self, url: str, api_key: str, api_secret: str, *, agent_name: str = "",
-                 heartbeat_timeout: float = 3.0, dispatch_wait: float = 5.0, tick: float = 0.5) -> None:  # fmt: skip
+                 heartbeat_timeout: float = 3.0, dispatch_wait: float = 5.0, tick: float = 0.5,
+                 sweep: float = SWEEP_S) -> None:  # fmt: skip
         self.url, self.api_key, self.api_secret = url, api_key, api_secret
         self.agent_name = agent_name
         self.heartbeat_timeout, self.dispatch_wait, self.tick_s = heartbeat_timeout, dispatch_wait, tick
+        self.sweep_s = sweep
         self.rooms: dict[str, RoomWatch] = {}
         self.recoveries: list[Recovery] = []
         self._verifier = api.TokenVerifier(api_key, api_secret)
@@ -236,12 +240,35 @@ class CallKeeper:
     # -- decisions ----------------------------------------------------------------------------
 
     async def _loop(self) -> None:
+        next_sweep = 0.0
         while True:
             await asyncio.sleep(self.tick_s)
+            now = time.monotonic()
             try:
-                self.check(time.monotonic())
+                self.check(now)
             except Exception:
                 logger.exception("keeper check failed")
+            if now >= next_sweep:
+                next_sweep = now + self.sweep_s
+                try:
+                    await asyncio.wait_for(self.sweep(), max(self.sweep_s, 2.0))
+                except Exception as e:  # the server is down or restarting: the next sweep
+                    logger.debug("room list: %s: %s", type(e).__name__, e)
+
+    async def sweep(self) -> list[str]:
+        """Rooms with participants on the server that the keeper does not watch are watched from
+        now on (webhooks are best effort: one lost, a restarted keeper, a room started again on a
+        restarted server while a decision about its old one was under way). Returns them."""
+        assert self._lk is not None
+        rooms = (await self._lk.room.list_rooms(api.ListRoomsRequest())).rooms
+        now, added = time.monotonic(), []
+        for room in rooms:
+            if room.num_participants > 0 and room.name not in self.rooms:
+                self.rooms[room.name] = RoomWatch(started=now)
+                added.append(room.name)
+        if added:
+            logger.info("watching %d room(s) no webhook told of: %s", len(added), ", ".join(added))
+        return added
 
     def check(self, now: float) -> None:
         for name, watch in list(self.rooms.items()):
