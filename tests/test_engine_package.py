@@ -37,6 +37,19 @@ async def test_a_handler_worker_loads_no_livekit(tiny_checkpoint):
         await handler.stop()
     assert "libmlx" in maps or "/mlx/" in maps  # the check reads the right process
     assert "livekit" not in maps, [line for line in maps.splitlines() if "livekit" in line][:5]
+    # mlx-audio imports scipy.signal on the way (about half of a worker's start here): deferred
+    # until used, and Qwen3-TTS never uses it (models/loading.py DEFERRED_IMPORTS)
+    assert "scipy/signal" not in maps, [line for line in maps.splitlines() if "scipy/signal" in line][:5]
+
+
+def test_a_deferred_import_loads_when_used():
+    code = ("import sys; from qwen3_tts_engine.models.loading import defer_unused_imports; "
+            "print(defer_unused_imports()); from scipy import signal; "
+            "print(type(sys.modules['scipy.signal']).__name__); "
+            "print(signal.resample_poly([1.0, 1.0, 1.0, 1.0], 2, 1).shape); "
+            "print(type(sys.modules['scipy.signal']).__name__); print(defer_unused_imports())")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:5] == ["['scipy.signal']", "_LazyModule", "(8,)", "module", "[]"]
 
 
 def test_the_worker_module_imports_no_livekit():

@@ -27,7 +27,8 @@ from qwen3_tts_engine.runtime.engine import Engine
 from qwen3_tts_engine.runtime.handler import Handler
 from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
-LONG_FRAMES = 16  # the utterance that is speaking while the swap happens (4 chunks)
+LONG_FRAMES = 48  # the utterance that is speaking while the swap happens (12 chunks, ~2 s of
+# synthesis here: it overlaps the new worker's start-up, load and warm-up)
 SHORT_FRAMES = 4
 MID_SWAP_DELAY_S = 0.3  # the second request arrives this long after the decision
 TEXT = "A voice that keeps talking while the engine changes its precision underneath."
@@ -155,9 +156,13 @@ async def _mode(model: str, mode: str, plain: dict[str, float], loading_nice: in
         baseline = _Stream(url, SHORT_FRAMES, 1, voice)
         await baseline.task
         idle_gaps: dict = {}
-        if idle_reference:  # the same long utterance with no swap: idle chunk intervals
+        if idle_reference:  # the same traffic with no swap: the long utterance, and the short
+            # request arriving as the mid-swap one does (it shares the worker with the long one)
             idle_stream = _Stream(url, LONG_FRAMES, 2, voice)
-            await idle_stream.task
+            await idle_stream.first.wait()
+            await asyncio.sleep(MID_SWAP_DELAY_S)
+            idle_mid = _Stream(url, SHORT_FRAMES, 3, voice)
+            await asyncio.gather(idle_stream.task, idle_mid.task)
             idle_gaps = idle_stream.report()
         # Down while an utterance streams; a second request arrives in the middle of the swap.
         speaking = _Stream(url, LONG_FRAMES, 2, voice)

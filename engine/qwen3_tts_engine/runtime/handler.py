@@ -139,6 +139,8 @@ class Handler:
         self._proc = ctx.Process(target=worker_main, args=(child, spec), daemon=True,
                                  name=f"qwen3-tts-worker {self.name}")  # fmt: skip
         self._proc.start()
+        if self.nice:  # from its interpreter's start-up on, not only once worker_main runs:
+            renice(self._proc.pid, self.nice)  # start-up and imports are most of a load's CPU
         child.close()
         self._conn = parent
         self._control = asyncio.Queue()
