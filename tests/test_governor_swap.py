@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import httpx
@@ -23,7 +24,7 @@ from qwen3_tts_engine.protocol import (
 )
 from qwen3_tts_engine.runtime.engine import Engine
 from qwen3_tts_engine.runtime.handler import Handler, Result
-from qwen3_tts_engine.runtime.worker import renice
+from qwen3_tts_engine.runtime.worker import can_raise_priority, renice
 from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
 pytestmark = pytest.mark.slow
@@ -252,6 +253,38 @@ async def test_operator_override_http_and_cli(tight, caplog):
         assert status["automatic"] and status["active_variant"] == "4bit"
 
 
+async def test_a_spare_worker_becomes_the_next_variant_and_is_replaced(tiny_checkpoint):
+    """`--spare-worker`: the governor keeps a worker process started with no model; a swap under
+    way hands it the new variant (the new handler's worker is that process), a new spare is
+    started once the old worker retired, and stopping ends every one of them."""
+    model = tiny_checkpoint("custom_voice")
+    server = await start_server(model, ManualProbe(), Policy(ladder=("bf16", "8bit")), spare_worker=True)
+    governor, pids = server.governor, []
+    try:
+        first = governor._spare
+        assert first is not None and await asyncio.to_thread(first.wait_ready, 120)
+        status = (await governor.status())["spare_worker"]
+        assert status == {"pid": first.pid} and first.pid != server.engine.active.pid
+        pids.append(first.pid)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=120) as c:
+            speaking = Stream(c, body(12, seed=4))
+            await speaking.first.wait()
+            r = await c.post("/v1/engine/variant", headers=AUTH,
+                             json={"variant": "8bit", "mode": "make-before-break"})  # fmt: skip
+            assert r.status_code == 200, r.text
+            await speaking.done()
+        assert speaking.status == 200 and len(speaking.pcm) == 12 * FRAME_SAMPLES * 2  # nothing lost
+        assert server.engine.active.variant == "8bit" and server.engine.active.pid == first.pid
+        await governor.settle()
+        second = governor._spare
+        assert second is not None and second.pid not in (first.pid, None)
+        pids.append(second.pid)
+        assert psutil.Process(first.pid).nice() == 0  # it serves at the normal priority
+    finally:
+        await server.stop()
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
 def test_renice_sets_every_thread_of_a_process():
     import subprocess
     import sys
@@ -265,6 +298,12 @@ def test_renice_sets_every_thread_of_a_process():
             psutil.Process(t.id).nice() == 7 for t in psutil.Process(proc.pid).threads())
         if renice(proc.pid, 0):  # raising the priority again needs CAP_SYS_NICE
             assert psutil.Process(proc.pid).nice() == 0
+        if hasattr(os, "SCHED_IDLE") and can_raise_priority():  # a loading worker: idle-scheduled
+            assert renice(proc.pid, 10, idle=True)
+            assert all(os.sched_getscheduler(t.id) == os.SCHED_IDLE for t in psutil.Process(proc.pid).threads())
+            assert renice(proc.pid, 0)  # serving: the normal policy and priority again
+            assert all(os.sched_getscheduler(t.id) == os.SCHED_OTHER and psutil.Process(t.id).nice() == 0
+                       for t in psutil.Process(proc.pid).threads())  # fmt: skip
     finally:
         proc.kill()
         proc.wait()

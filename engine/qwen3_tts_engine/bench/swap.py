@@ -143,13 +143,15 @@ def _timing(rec: SwapRecord, plain_load_s: float) -> dict:
 
 
 async def _mode(model: str, mode: str, plain: dict[str, float], loading_nice: int = LOADING_NICE,
-                idle_reference: bool = False) -> dict:  # fmt: skip
+                idle_reference: bool = False, spare_worker: bool = False) -> dict:  # fmt: skip
     engine = Engine(model, [Handler(model, "bf16")])
     gov = Governor(engine, ManualProbe(), Policy(ladder=("bf16", "8bit")), auto=False,
-                   allow_unevaluated=("all",))  # a benchmark of swaps, not of quality
+                   allow_unevaluated=("all",), spare_worker=spare_worker)  # swaps, not quality
     gov.loading_nice = loading_nice
     server = EngineServer(engine, ServerConfig(port=0), gov)
     await server.start()
+    if gov._spare is not None:  # its start-up is not part of what is measured
+        await asyncio.to_thread(gov._spare.wait_ready, 120)
     url = f"http://127.0.0.1:{server.port}/v1/audio/speech"
     voice = (engine.info.get("voices") or [None])[0]
     try:
@@ -240,7 +242,7 @@ def _model(path: str | None) -> str:
     return model
 
 
-def run_nice_comparison(model: str | None, repeats: int, nices: tuple[int, ...]) -> dict:
+def run_nice_comparison(model: str | None, repeats: int, nices: tuple[int, ...], spare: bool = False) -> dict:
     """Make before break under load, per loading niceness: swap latency minus plain load, the
     in-flight stream's p95 chunk interval against the same utterance with no swap, chunks lost."""
     model = _model(model)
@@ -253,7 +255,7 @@ def run_nice_comparison(model: str | None, repeats: int, nices: tuple[int, ...])
         for i in range(repeats):
             for n in nices:  # interleaved: the machine's other load hits both alike
                 print(f"  make-before-break, loading nice {n}, run {i + 1}", file=sys.stderr)
-                m = await _mode(model, MAKE_BEFORE_BREAK, plain, n, idle_reference=True)
+                m = await _mode(model, MAKE_BEFORE_BREAK, plain, n, idle_reference=True, spare_worker=spare)
                 u = m["under_load"]
                 runs[str(n)].append(entry := {
                     "latency_minus_plain_load_s": u["latency_minus_drain_minus_plain_load_s"],
@@ -270,7 +272,7 @@ def run_nice_comparison(model: str | None, repeats: int, nices: tuple[int, ...])
     result = asyncio.run(run())
     result["median"] = {n: {k: statistics.median(r[k] for r in rs if r[k] is not None)
                             for k in rs[0]} for n, rs in result["runs"].items()}  # fmt: skip
-    return {"model": model, "long_frames": LONG_FRAMES, **result}
+    return {"model": model, "long_frames": LONG_FRAMES, "spare_worker": spare, **result}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,9 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--nices", default=f"0,{LOADING_NICE}")
+    p.add_argument("--spare", action="store_true", help="the governor keeps a spare worker")
     p.add_argument("--out")
     args = p.parse_args(argv)
-    report = run_nice_comparison(args.model, args.repeats, tuple(int(n) for n in args.nices.split(",")))
+    report = run_nice_comparison(args.model, args.repeats, tuple(int(n) for n in args.nices.split(",")),
+                                 args.spare)  # fmt: skip
     text = json.dumps(report, indent=2, default=float)
     print(text)
     if args.out:

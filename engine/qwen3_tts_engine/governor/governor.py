@@ -22,7 +22,7 @@ from qwen3_tts_engine.models.footprint import Footprints, checkpoint_weight_byte
 from qwen3_tts_engine.models.recipes import RECIPES, get_recipe
 from qwen3_tts_engine.models.variants import resolve
 from qwen3_tts_engine.runtime.engine import Engine
-from qwen3_tts_engine.runtime.handler import Handler, HandlerError
+from qwen3_tts_engine.runtime.handler import Handler, HandlerError, SpareWorker
 
 from .memory import MemoryProbe, MemoryReading, detect_probe
 from .policy import (
@@ -38,7 +38,9 @@ from .policy import (
     nominal_bits,
 )
 
-# Niceness of a make-before-break swap's new worker until it serves (0: same as the old one).
+# Niceness of a make-before-break swap's new worker until it serves (0: same as the old one);
+# above 0 it is also idle-scheduled on Linux (runtime/worker.py renice), so the voices speaking
+# on the old worker lose nothing to it; LOADING_PATIENCE bounds its wait.
 LOADING_NICE = 10
 LOADING_PATIENCE = 2.0  # x the old worker's start time, then the normal priority
 
@@ -101,8 +103,13 @@ class Governor:
         allow_unevaluated: Collection[str] = (),
         quality_budget: dict | None = None,
         quality_min_items: int = 6,
+        spare_worker: bool = False,
     ) -> None:
         self.engine = engine
+        # A worker process kept started (modules imported, no model) for the next swap's new
+        # variant: its CPU during a swap under load is then the weights and warm-up only.
+        self.spare_worker = spare_worker
+        self._spare: SpareWorker | None = None
         # Quality gate: quantized rungs below the start need a stored report that passes this
         # budget (default: eval's) on enough items, or the operator's consent ("all" or names).
         self.allow_unevaluated = frozenset(allow_unevaluated)
@@ -145,6 +152,7 @@ class Governor:
             self.footprints.observe(h.variant, h.info.get("memory", {}), h.info.get("footprint"))
         self.reading = await self._read()
         self.started = True
+        self._keep_spare()
         if self.auto:
             self._task = asyncio.create_task(self._loop(), name="qwen3-tts governor")
         logger.info("governor: ladder %s, memory from %s (pressure %.2f), %s", " > ".join(rungs),
@@ -152,6 +160,7 @@ class Governor:
                     "automatic" if self.auto else "manual swaps only")  # fmt: skip
 
     async def stop(self) -> None:
+        self.spare_worker = False  # no new spare from here on
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -160,6 +169,18 @@ class Governor:
             t.cancel()
         if self._retiring:
             await asyncio.gather(*self._retiring, return_exceptions=True)
+        if self._spare is not None:
+            spare, self._spare = self._spare, None
+            await asyncio.to_thread(spare.close)
+
+    def _keep_spare(self) -> None:
+        """Start a spare worker if the governor keeps one and has none (after a swap took it)."""
+        if self.spare_worker and (self._spare is None or not self._spare.proc.is_alive()):
+            self._spare = SpareWorker()
+
+    def _take_spare(self) -> SpareWorker | None:
+        spare, self._spare = self._spare, None
+        return spare
 
     def _plan(self, start: str) -> tuple[tuple[str, ...], dict[str, int]]:
         """The rungs this model can load (file reads: run in a thread) and their weight bytes."""
@@ -295,7 +316,7 @@ class Governor:
         # old worker's own start time it continues at the normal priority.
         new.nice = self.loading_nice
         try:
-            starting = asyncio.ensure_future(new.start())
+            starting = asyncio.ensure_future(new.start(spare=self._take_spare()))
             if new.nice:
                 patience = LOADING_PATIENCE * old.info.get("start_s", 5.0)
                 done, _ = await asyncio.wait({starting}, timeout=patience)
@@ -324,6 +345,7 @@ class Governor:
         self.engine.forget(old)
         rec.retired_s = self.clock() - t0
         rec.memory_after = await worker_memory(self.engine)
+        self._keep_spare()  # for the next swap, now that the old worker's memory is back
 
     async def _break_before_make(self, old: Handler, rec: SwapRecord, t0: float) -> None:
         self.engine.hold(rec.to_variant)  # new requests wait in Engine.acquire, none are dropped
@@ -334,7 +356,7 @@ class Governor:
         new = old.sibling(rec.to_variant)
         new.restart = restart
         try:
-            await new.start()
+            await new.start(spare=self._take_spare())
             rec.ok = True
         except HandlerError as e:
             rec.ok, rec.error = False, str(e)
@@ -353,6 +375,7 @@ class Governor:
         self.engine.route_to(new, old)
         self._done(rec, new, t0)
         rec.memory_after = await worker_memory(self.engine)
+        self._keep_spare()
 
     async def _drain_and_stop(self, old: Handler, rec: SwapRecord) -> None:
         """Let the old handler finish what it is speaking (up to the hard deadline), then end
@@ -404,6 +427,7 @@ class Governor:
             "note": self.state.note,
             "swapping": self.swapping.as_dict() if self.swapping else None,
             "retiring": [h.name for h in self.engine.retiring],
+            "spare_worker": {"pid": self._spare.pid} if self._spare is not None else None,
             "history": [r.as_dict() for r in self.history],
             "quality_gate": {"allow_unevaluated": sorted(self.allow_unevaluated),
                              "budget": self.quality_budget or "qwen3-tts eval's default",

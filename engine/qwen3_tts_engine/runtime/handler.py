@@ -60,6 +60,50 @@ class Result:
     variant: str | None = None
 
 
+SPARE_NICE = 19  # a spare's imports yield the CPU to every worker that serves
+
+
+class SpareWorker:
+    """A handler worker started before it is needed: its interpreter up and the modules that
+    loading imports imported (most of a worker's start on a CPU), no model. A swap hands it its
+    spec (`Handler.start(spare=...)`), so the new worker's CPU during the swap is its weights and
+    warm-up. It waits at the lowest priority (idle-scheduled on Linux); ~90 MB of memory."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=worker_main, args=(child, None), daemon=True,
+                                name="qwen3-tts-worker spare")  # fmt: skip
+        self.proc.start()
+        renice(self.proc.pid, SPARE_NICE, idle=True)
+        child.close()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Until its imports are done (blocks: run in a thread). False on timeout or death."""
+        try:
+            return self.conn.poll(timeout) and self.conn.recv()[0] == "spare"
+        except (EOFError, OSError):
+            return False
+
+    def take(self, nice: int) -> bool:
+        """Ready to be a handler's worker at niceness `nice` (False: gone, or the OS refused the
+        higher priority, which needs CAP_SYS_NICE: then a fresh worker is spawned instead)."""
+        return self.proc.is_alive() and renice(self.proc.pid, nice, idle=nice > 0)
+
+    def close(self) -> None:
+        """End it unused (blocks up to ~4 s: run in a thread)."""
+        with contextlib.suppress(OSError):
+            self.conn.close()  # EOF: the spare returns
+        self.proc.join(2)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(2)
+
+
 class Handler:
     def __init__(
         self,
@@ -125,23 +169,30 @@ class Handler:
     def queue_depth(self) -> int:
         return self.waiting + self.in_flight
 
-    async def start(self) -> dict:
-        """Spawn the worker, load and warm the model; returns the worker's info."""
+    async def start(self, spare: SpareWorker | None = None) -> dict:
+        """Spawn the worker (or hand `spare` the spec), load and warm the model; returns the
+        worker's info."""
         self._loop = asyncio.get_running_loop()
         self._stopping = False
         self._draining.clear()
         self.state = "starting"
         self._ready.clear()
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
         spec = {"model": self.model, "variant": self.requested_variant, "warmup": self.warmup,
                 "nice": self.nice, "max_batch": self.max_batch}  # fmt: skip
-        self._proc = ctx.Process(target=worker_main, args=(child, spec), daemon=True,
-                                 name=f"qwen3-tts-worker {self.name}")  # fmt: skip
-        self._proc.start()
-        if self.nice:  # from its interpreter's start-up on, not only once worker_main runs:
-            renice(self._proc.pid, self.nice)  # start-up and imports are most of a load's CPU
-        child.close()
+        if spare is not None and spare.take(self.nice):
+            self._proc, parent = spare.proc, spare.conn
+            parent.send(spec)
+        else:
+            if spare is not None:
+                await asyncio.to_thread(spare.close)
+            ctx = mp.get_context("spawn")
+            parent, child = ctx.Pipe()
+            self._proc = ctx.Process(target=worker_main, args=(child, spec), daemon=True,
+                                     name=f"qwen3-tts-worker {self.name}")  # fmt: skip
+            self._proc.start()
+            if self.nice:  # from its interpreter's start-up on, not only once worker_main runs:
+                renice(self._proc.pid, self.nice, idle=True)  # start-up and imports: most of a load's CPU
+            child.close()
         self._conn = parent
         self._control = asyncio.Queue()
         threading.Thread(target=self._read, args=(parent, self._proc), daemon=True).start()
@@ -244,7 +295,7 @@ class Handler:
         """The worker's CPU priority now (all its threads); False if the OS refused."""
         if self._proc is None or not self._proc.is_alive():
             return False
-        ok = renice(self._proc.pid, value)
+        ok = renice(self._proc.pid, value, idle=value > 0)
         if ok:
             self.nice = value
         else:

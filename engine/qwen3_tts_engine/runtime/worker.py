@@ -47,21 +47,41 @@ def _memory() -> dict:
     }
 
 
-def renice(pid: int, value: int) -> bool:
+def renice(pid: int, value: int, *, idle: bool = False) -> bool:
     """Set a process's niceness on every one of its threads (Linux keeps niceness per thread:
-    the BLAS threads a preloaded library starts before Python does would keep theirs). Raising
-    the priority again needs CAP_SYS_NICE (root in a container); False where it is refused."""
+    the BLAS threads a preloaded library starts before Python does would keep theirs). `idle`:
+    also Linux's SCHED_IDLE policy (the threads run only on a CPU nothing else wants, and a waking
+    normal thread preempts them at once), or back to SCHED_OTHER; only where this process may
+    raise priorities again (`can_raise_priority`), so that a worker is never left idle-scheduled.
+    Raising the priority needs CAP_SYS_NICE (root in a container); False where it is refused."""
     try:
         tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
         tids = [pid]  # no /proc (macOS): niceness is per process there
+    policy = None
+    if hasattr(os, "SCHED_IDLE") and can_raise_priority():
+        policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
     try:
         for tid in tids:
             with contextlib.suppress(ProcessLookupError):  # a thread that just ended
+                if policy is not None:
+                    os.sched_setscheduler(tid, policy, os.sched_param(0))
                 os.setpriority(os.PRIO_PROCESS, tid, value)
     except (PermissionError, OSError):
         return False
     return True
+
+
+def can_raise_priority() -> bool:
+    """Whether this process may lower a niceness again (root, or an RLIMIT_NICE that allows 0)."""
+    if os.geteuid() == 0:
+        return True
+    try:
+        import resource
+
+        return resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+    except (ImportError, AttributeError, OSError, ValueError):
+        return False
 
 
 def _load_ref_audio(data: bytes):
@@ -234,13 +254,37 @@ class _Server:
                 release_freed_memory()
 
 
-def worker_main(conn: Connection, spec: dict) -> None:
-    """Entry point of the spawned process."""
+def _preload() -> None:
+    """A spare worker's head start: the modules that loading a model imports (most of a worker's
+    start on a CPU), without a model."""
+    from qwen3_tts_engine.models.loading import defer_unused_imports
+
+    defer_unused_imports()
+    import mlx_audio.tts.models.qwen3_tts  # noqa: F401
+    import transformers  # noqa: F401  (mlx-audio loads the text tokenizer with it)
+
+    from qwen3_tts_engine.models import footprint, loading, variants  # noqa: F401
+
+    from . import synthesis  # noqa: F401
+
+
+def worker_main(conn: Connection, spec: dict | None) -> None:
+    """Entry point of the spawned process. `spec` None: a spare (handler.SpareWorker), which
+    imports what loading needs and then waits for its spec on `conn`."""
     logging.basicConfig(level=os.environ.get("QWEN3_TTS_LOG_LEVEL", "WARNING"))
+    if spec is None:
+        try:
+            _preload()
+            conn.send(("spare", os.getpid()))  # ready: SpareWorker.wait_ready
+            spec = conn.recv()
+        except (EOFError, OSError):
+            return  # closed unused (the engine stopped)
+        if not isinstance(spec, dict):
+            return
     if spec.get("nice"):
         # A worker loading next to a busy one (make-before-break swap) yields the CPU to it;
         # threads started from here on inherit the main thread's niceness.
-        renice(os.getpid(), spec["nice"])
+        renice(os.getpid(), spec["nice"], idle=True)
     try:
         from qwen3_tts_engine.models.footprint import kv_bytes_per_frame, model_bytes
         from qwen3_tts_engine.models.loading import load, quantized_modules, release_freed_memory
