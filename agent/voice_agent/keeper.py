@@ -322,8 +322,8 @@ class CallKeeper:
             return
         if agents:
             return  # another agent is there already
-        watch = self.rooms.get(room)
-        if watch is not None and watch.dispatch_id is not None and not await self._retire(room, watch.dispatch_id):
+        current = self.rooms.get(room)  # the room's watch now (the one this was decided for, or newer)
+        if current is not None and current.dispatch_id is not None and not await self._retire(room, current.dispatch_id):
             return  # our last dispatch was given to a worker: its agent is on the way
         recovery = Recovery(room, reason, lost, time.monotonic())
         self.recoveries.append(recovery)
@@ -331,8 +331,8 @@ class CallKeeper:
             dispatch = await self._lk.agent_dispatch.create_dispatch(api.CreateAgentDispatchRequest(
                 agent_name=self.agent_name, room=room, metadata=json.dumps({"resume": lost is not None, "reason": reason})))
             recovery.dispatch_id = dispatch.id
-            if watch is not None:
-                watch.dispatch_id = dispatch.id
+            if current is not None:
+                current.dispatch_id = dispatch.id
             logger.warning("room %s: %s; dispatched a new agent (%s)", room, reason, dispatch.id)
         except Exception as e:
             recovery.error = f"{type(e).__name__}: {e}"
