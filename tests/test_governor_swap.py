@@ -285,6 +285,38 @@ async def test_a_spare_worker_becomes_the_next_variant_and_is_replaced(tiny_chec
     assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
 
 
+async def test_a_failed_swap_keeps_serving_and_replaces_the_spare_it_used(tiny_checkpoint, tmp_path, monkeypatch):
+    """The weights on disk go bad while the engine serves: a swap's new worker (the spare) fails
+    to load, the old variant serves on, and a new spare is started for the next swap."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint("custom_voice"), model)
+    monkeypatch.setenv("QWEN3_TTS_CACHE", str(tmp_path / "cache"))  # no quantized copy to fall back on
+    server = await start_server(model, ManualProbe(), Policy(ladder=("bf16", "8bit")), spare_worker=True)
+    governor, pids = server.governor, [server.engine.active.pid]
+    try:
+        first = governor._spare
+        assert first is not None and await asyncio.to_thread(first.wait_ready, 120)
+        pids.append(first.pid)
+        (model / "model.safetensors").write_bytes(b"these are not weights")
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=120) as c:
+            r = await c.post("/v1/engine/variant", headers=AUTH,
+                             json={"variant": "8bit", "mode": "make-before-break"})  # fmt: skip
+            assert r.status_code == 503 and r.json()["swap"]["ok"] is False, r.text
+            assert r.json()["active_variant"] == "bf16"
+            spoken = await c.post("/v1/audio/speech", headers=AUTH, json=body(4, stream=False))
+        assert spoken.status_code == 200 and spoken.headers[HEADER_VARIANT] == "bf16"
+        assert server.engine.active.pid == pids[0]
+        second = governor._spare
+        assert second is not None and second.pid not in (first.pid, None)
+        pids.append(second.pid)
+        assert await asyncio.to_thread(second.wait_ready, 120)
+    finally:
+        await server.stop()
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
 def test_renice_sets_every_thread_of_a_process():
     import subprocess
     import sys

@@ -409,6 +409,8 @@ class Governor:
             logger.error("variant swap %s -> %s (%s, %s) failed after %.2fs: %s (reason: %s)",
                          rec.from_variant, rec.to_variant, rec.direction, rec.mode, rec.latency_s,
                          rec.error, rec.reason)  # fmt: skip
+        if not rec.ok:  # a failed load used up the spare, if it took one
+            self._keep_spare()
         for listener in self.listeners:
             listener(rec)
 
