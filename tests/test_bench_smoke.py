@@ -149,7 +149,8 @@ def test_voice_agent_bench(tmp_path):
     assert json.loads((tmp_path / "va.json").read_text()) == report
     assert any("RANDOM" in n for n in report["notes"])
     settings = report["settings"]
-    assert settings["baseline"] == {"stt_streaming": False, "vad_min_silence": 0.55, "endpointing_min_delay": 0.5,
+    assert settings["baseline"] == {"stt_streaming": False, "stt_encoder_context": 30.0, "stt_final_silence": 0.3,
+                                    "vad_min_silence": 0.55, "endpointing_min_delay": 0.5,
                                     "endpointing_max_delay": 3.0, "turn_detector": "none",
                                     "preemptive_generation": False, "tts_first_clause_words": 0,
                                     "tts_first_clause_chunk_frames": 4}  # fmt: skip
@@ -165,6 +166,9 @@ def test_voice_agent_bench(tmp_path):
                 _positive(turn[key], key)
             if turn["added_s"] is not None:
                 llm = turn["llm_ttfs_s"] if turn["llm_ttfs_s"] is not None else turn["llm_ttft_s"]
+                if settings[name]["preemptive_generation"]:  # only the LLM time after the commit counts,
+                    # at most all of it from the final transcript on
+                    llm = max(0.0, llm - max(0.0, turn["end_of_turn_delay_s"] - (turn["transcription_delay_s"] or 0.0)))
                 parts = turn["end_of_turn_delay_s"] + llm + turn["tts_first_chunk_compute_s"]
                 assert turn["added_s"] == pytest.approx(turn["voice_to_voice_s"] - parts)
         assert set(config["ended_early"]) == {"plain", "paused"}

@@ -308,6 +308,70 @@ async def test_leading_silence_is_trimmed_and_a_flush_without_speech_gives_no_fi
 
 
 @needs_speech
+async def test_a_short_encoder_context_transcribes_as_the_full_one(streaming_stt, sentence_runs):
+    """`encoder_context=15`: each pass's encoder sees 15 s (the audio and 5 s of its padding,
+    when longer), not whisper's 30, and the finals are the full context's words (WER <= 5 %)."""
+    from faster_whisper.audio import pad_or_trim
+
+    model = stt_module.load_model("bundled")
+    for audio_s, frames in ((3.0, 1500), (12.4, 1740), (28.0, 3000)):
+        view = stt_module._short_context(model, audio_s, 15.0)
+        assert view.frames == frames and view.model is model.model  # the same loaded model
+        features = pad_or_trim(model.feature_extractor(np.zeros(16000, np.float32)))
+        assert view.encode(features).shape[1] == frames // 2  # the encoder's output frames
+    assert model.encode(features).shape[1] == 1500  # the model itself keeps its 30 s
+
+    runs, _ = sentence_runs
+    short = faster_whisper.STT(model="bundled", streaming=True, encoder_context=15.0)
+    errors = words = 0
+    for s in runs:
+        run = Run(short.stream())
+        await run.push_paced(frames_of(s.audio))
+        run.flush()
+        await run.finish()
+        (final,) = [e.alternatives[0].text for e in run.events if e.type == Kind.FINAL_TRANSCRIPT]
+        full = next(e for e in s.run.events if e.type == Kind.FINAL_TRANSCRIPT).alternatives[0].text
+        print(f"\n30 s: {full!r}\n15 s: {final!r}")
+        errors += edit_distance(norm_words(full), norm_words(final))
+        words += len(norm_words(full))
+    assert errors / words <= 0.05, f"WER 15 s vs 30 s context: {errors}/{words}"
+    with pytest.raises(ValueError, match="encoder_context"):
+        faster_whisper.STT(streaming=True, encoder_context=31)
+
+
+@needs_speech
+async def test_the_stream_ends_an_utterance_heard_in_full_after_its_silence(streaming_stt):
+    """`final_after_silence`: once a pass heard all the speech and that much silence followed,
+    the final comes without a flush (LiveKit's end-of-turn check then sees the whole transcript);
+    a later flush reports the usage only. Without it (the default) only a flush ends it."""
+    speech = speech_samples(SENTENCES[2], sample_rate=ROOM_RATE)
+    frames = frames_of(pad_silence(speech, ROOM_RATE, before=0.3, after=0.8))
+    runs = {}
+    for after in (0.3, None):
+        stt = faster_whisper.STT(model="bundled", streaming=True, final_after_silence=after)
+        run = runs[after] = Run(stt.stream())
+        await run.push_paced(frames)
+        await wait_until(lambda run=run: run.idle, "the stream to be idle")
+        run.flush()
+        await run.finish()
+    ended, flushed = runs[0.3], runs[None]
+    (flush_at,) = ended.flushes
+    kinds = [k for k in ended.kinds(ended.events[:flush_at]) if k != Kind.INTERIM_TRANSCRIPT]
+    assert kinds == [Kind.START_OF_SPEECH, Kind.FINAL_TRANSCRIPT, Kind.END_OF_SPEECH,
+                     Kind.RECOGNITION_USAGE], kinds  # fmt: skip
+    assert ended.kinds(ended.events[flush_at:]) == [Kind.RECOGNITION_USAGE]
+    (result,) = ended.stream.stats.utterances
+    assert result.reused_pass and result.final_decoded == 0  # no pass after the one that heard it all
+    final = next(e for e in ended.events if e.type == Kind.FINAL_TRANSCRIPT).alternatives[0]
+    assert len(set(norm_words(final.text)) & {"fastest", "way", "airport", "city"}) >= 3
+    (flush_at,) = flushed.flushes
+    assert Kind.FINAL_TRANSCRIPT not in flushed.kinds(flushed.events[:flush_at])
+    assert Kind.FINAL_TRANSCRIPT in flushed.kinds(flushed.events[flush_at:])
+    with pytest.raises(ValueError, match="final_after_silence"):
+        faster_whisper.STT(streaming=True, final_after_silence=0)
+
+
+@needs_speech
 async def test_unloadable_model_is_a_non_retryable_api_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     stt = faster_whisper.STT(model="definitely-not-a-model-xyz", device="cpu", streaming=True)

@@ -7,7 +7,8 @@
    transcript, LLM time to first token and first sentence, TTS first audio, voice-to-voice,
    whether the turn was committed before the caller's last word; p50/p95 per column and the
    tuned/baseline ratios. What the glue adds = voice-to-voice - (end of turn + LLM time to first
-   sentence + TTS first-chunk compute).
+   sentence + TTS first-chunk compute); with preemptive generation only the LLM time after the
+   commit counts, at most all of it from the final transcript on (an upper bound on the glue).
 2. TTS first-audio latency while the local LLM generates, divided by the same when idle.
 """
 
@@ -30,7 +31,7 @@ from .turn_bench import PAUSED, baseline, turn_set, word_error_rate, words
 
 COLUMNS = ("end_of_turn_delay_s", "transcription_delay_s", "llm_ttft_s", "llm_ttfs_s", "tts_ttfb_s",
            "voice_to_voice_s", "tts_first_chunk_compute_s", "added_s")  # fmt: skip
-TURN_SETTINGS = ("stt_streaming", "vad_min_silence", "endpointing_min_delay", "endpointing_max_delay", "turn_detector",
+TURN_SETTINGS = ("stt_streaming", "stt_encoder_context", "stt_final_silence", "vad_min_silence", "endpointing_min_delay", "endpointing_max_delay", "turn_detector",
                  "preemptive_generation", "tts_first_clause_words", "tts_first_clause_chunk_frames")  # fmt: skip
 
 
@@ -96,8 +97,15 @@ async def _turns(settings: Settings, turns, tts_url: str, llm_url: str, handler)
                "tts_first_chunk_compute_s": chunks[0] if chunks else None, "stt_s": r.stt_s}  # fmt: skip
         llm_first = row["llm_ttfs_s"] if row["llm_ttfs_s"] is not None else row["llm_ttft_s"]
         parts = (row["end_of_turn_delay_s"], llm_first, row["tts_first_chunk_compute_s"])
-        row["added_s"] = (None if None in (*parts, row["voice_to_voice_s"])
-                          else row["voice_to_voice_s"] - sum(parts))  # fmt: skip
+        if None in (*parts, row["voice_to_voice_s"]):
+            row["added_s"] = None
+        else:
+            eot, llm_first, tts = parts
+            # With preemptive generation the LLM may start at the final transcript, before the
+            # turn is committed: at most (end of turn - transcription delay) of its time is
+            # hidden. Counting only the rest as compute bounds the glue from above.
+            lead = max(0.0, eot - (row["transcription_delay_s"] or 0.0)) if settings.preemptive_generation else 0.0
+            row["added_s"] = row["voice_to_voice_s"] - eot - max(0.0, llm_first - lead) - tts
         rows.append(row)
     return rows
 

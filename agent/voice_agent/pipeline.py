@@ -61,7 +61,9 @@ def build_stt(settings: Settings):
     from livekit.plugins import faster_whisper
 
     model = "bundled" if settings.offline and settings.stt_model in ("base.en", "tiny.en") else settings.stt_model
-    return faster_whisper.STT(model=model, language=settings.stt_language, streaming=settings.stt_streaming)
+    return faster_whisper.STT(model=model, language=settings.stt_language, streaming=settings.stt_streaming,
+                              encoder_context=settings.stt_encoder_context,
+                              final_after_silence=settings.stt_final_silence)  # fmt: skip
 
 
 def build_llm(settings: Settings, base_url: str):

@@ -50,6 +50,10 @@ def _not_negative(v) -> str | None:
     return None if v >= 0 else f"must be >= 0, got {v}"
 
 
+def _whisper_context(v) -> str | None:
+    return None if 0 < v <= 30 else f"must be in (0, 30] seconds, got {v}"
+
+
 def _fraction(v) -> str | None:
     return None if 0 < v <= 1 else f"must be in (0, 1], got {v}"
 
@@ -194,6 +198,14 @@ class Settings(_EnvSettings):
     stt_streaming: bool = _f("STT_STREAMING", True, "transcribe while the user speaks, so the final "
                              "transcript is ready soon after the end of speech (off: the whole "
                              "utterance once it has ended)")
+    stt_encoder_context: float = _f("STT_ENCODER_CONTEXT", 15.0, "seconds of audio whisper's encoder "
+                                    "sees in a streaming pass (30: whisper's full context; shorter "
+                                    "is faster, 15 transcribes as 30 on the bench's speech)",
+                                    check=_whisper_context)
+    stt_final_silence: float = _f("STT_FINAL_SILENCE", 0.3, "seconds of silence after which the "
+                                  "streaming STT ends an utterance it has heard in full, before "
+                                  "the VAD's end of speech (LiveKit's end-of-turn check sees final "
+                                  "transcripts only)", check=_positive)
     llm_base_url: str | None = _f("LLM_BASE_URL", None, "OpenAI-compatible server (vLLM, Ollama, "
                                   "llama.cpp, mlx-lm, OpenAI); unset: start mlx_lm.server locally")
     llm_model: str = _f("LLM_MODEL", "mlx-community/Qwen3-0.6B-4bit", "chat model name or local model")

@@ -71,7 +71,7 @@ class StreamingOptions:
     """The first pass of an utterance waits for this much audio (whisper needs some context)."""
     preroll: float = 0.3
     """Audio kept before the first voiced block, so a soft onset is not clipped."""
-    tail_silence: float = 0.2
+    tail_silence: float = 0.1
     """Unvoiced audio after speech that triggers a pass at once: the final can then reuse it."""
     overlap: float = 1.0
     """Audio before the cut that a window repeats, as acoustic context (its words are dropped)."""
@@ -271,6 +271,16 @@ class UtteranceTracker:
     @property
     def text(self) -> str:
         return words_text(self.committed + self.tentative)
+
+    def heard(self, silence: float) -> bool:
+        """True once a pass has heard all the speech of the utterance and `silence` seconds of
+        unvoiced audio have followed its last voiced block: its words are the final."""
+        return (
+            self.active
+            and self._passes > 0
+            and self._heard_all
+            and self._end - self._last_voiced_end >= self._seconds(silence)
+        )
 
     def final_window(self) -> Window | None:
         """The audio the final pass must decode: everything after the cut; None when the last
