@@ -152,7 +152,8 @@ def test_voice_agent_bench(tmp_path):
     assert settings["baseline"] == {"stt_streaming": False, "stt_encoder_context": 30.0, "stt_final_silence": 0.3,
                                     "vad_min_silence": 0.55, "endpointing_min_delay": 0.5,
                                     "endpointing_max_delay": 3.0, "turn_detector": "none",
-                                    "preemptive_generation": False, "tts_first_clause_words": 0,
+                                    "preemptive_generation": False, "preemptive_tts": False,
+                                    "tts_first_clause_words": 0,
                                     "tts_first_clause_chunk_frames": 4}  # fmt: skip
     assert settings["tuned"]["turn_detector"] == "rule" and settings["tuned"]["preemptive_generation"]
     for name in ("tuned", "baseline"):
@@ -171,6 +172,11 @@ def test_voice_agent_bench(tmp_path):
                     llm = max(0.0, llm - max(0.0, turn["end_of_turn_delay_s"] - (turn["transcription_delay_s"] or 0.0)))
                 parts = turn["end_of_turn_delay_s"] + llm + turn["tts_first_chunk_compute_s"]
                 assert turn["added_s"] == pytest.approx(turn["voice_to_voice_s"] - parts)
+                # LiveKit's end of speech (the VAD's) against the last sample the caller sent
+                assert -0.5 < turn["vad_end_lag_s"] < 1.0, turn
+                assert turn["added_after_vad_s"] == pytest.approx(turn["added_s"] - turn["vad_end_lag_s"])
+            assert 1 <= turn["llm_requests"] and 0 <= turn["llm_wasted"] < turn["llm_requests"]
+            assert 0 <= turn["tts_wasted"] <= turn["tts_requests"]
         assert set(config["ended_early"]) == {"plain", "paused"}
         summary = config["summary"]["voice_to_voice_s"]
         assert not summary or summary["p95"] >= summary["p50"] > 0

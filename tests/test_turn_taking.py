@@ -119,4 +119,8 @@ async def test_preemptive_generation_redoes_a_reply_whose_transcript_changed(eng
     lasts = [str(r["messages"][-1].get("content", "")).lower() for r in chat.requests]
     assert "mother" in report.reply_text.lower(), (report, lasts)
     assert any("mother" in t for t in lasts)
-    print(f"LLM requests for one turn: {len(lasts)} (preemptive ones redone: {sum('mother' not in t for t in lasts)})")
+    redone = sum("mother" not in t for t in lasts)
+    print(f"LLM requests for one turn: {len(lasts)} (preemptive ones redone: {redone})")
+    # the turn's report counts them: every request the server saw, and as wasted those that
+    # were not for the reply spoken
+    assert (report.llm_requests, report.llm_wasted) == (len(lasts), redone), report

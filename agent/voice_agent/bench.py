@@ -30,9 +30,10 @@ from .settings import Settings
 from .turn_bench import PAUSED, baseline, turn_set, word_error_rate, words
 
 COLUMNS = ("end_of_turn_delay_s", "transcription_delay_s", "llm_ttft_s", "llm_ttfs_s", "tts_ttfb_s",
-           "voice_to_voice_s", "tts_first_chunk_compute_s", "added_s")  # fmt: skip
+           "voice_to_voice_s", "tts_first_chunk_compute_s", "added_s", "vad_end_lag_s",
+           "added_after_vad_s")  # fmt: skip
 TURN_SETTINGS = ("stt_streaming", "stt_encoder_context", "stt_final_silence", "vad_min_silence", "endpointing_min_delay", "endpointing_max_delay", "turn_detector",
-                 "preemptive_generation", "tts_first_clause_words", "tts_first_clause_chunk_frames")  # fmt: skip
+                 "preemptive_generation", "preemptive_tts", "tts_first_clause_words", "tts_first_clause_chunk_frames")  # fmt: skip
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -93,19 +94,27 @@ async def _turns(settings: Settings, turns, tts_url: str, llm_url: str, handler)
                "end_of_turn_delay_s": r.end_of_turn_delay_s,
                "transcription_delay_s": r.transcription_delay_s, "llm_ttft_s": r.llm_ttft_s,
                "llm_ttfs_s": r.llm_ttfs_s, "tts_ttfb_s": r.tts_ttfb_s,
-               "voice_to_voice_s": r.voice_to_voice_s,
-               "tts_first_chunk_compute_s": chunks[0] if chunks else None, "stt_s": r.stt_s}  # fmt: skip
+               "voice_to_voice_s": r.voice_to_voice_s, "vad_end_lag_s": r.vad_end_lag_s,
+               "tts_first_chunk_compute_s": chunks[0] if chunks else None, "stt_s": r.stt_s,
+               "llm_requests": r.llm_requests, "llm_wasted": r.llm_wasted,
+               "tts_requests": r.tts_requests, "tts_wasted": r.tts_wasted}  # fmt: skip
         llm_first = row["llm_ttfs_s"] if row["llm_ttfs_s"] is not None else row["llm_ttft_s"]
         parts = (row["end_of_turn_delay_s"], llm_first, row["tts_first_chunk_compute_s"])
         if None in (*parts, row["voice_to_voice_s"]):
             row["added_s"] = None
         else:
             eot, llm_first, tts = parts
-            # With preemptive generation the LLM may start at the final transcript, before the
-            # turn is committed: at most (end of turn - transcription delay) of its time is
-            # hidden. Counting only the rest as compute bounds the glue from above.
+            # With preemptive generation the LLM (and the TTS, with preemptive TTS) may start at
+            # the final transcript, before the turn is committed: at most (end of turn -
+            # transcription delay) of their time is hidden. Counting only the rest as compute
+            # bounds the glue from above.
             lead = max(0.0, eot - (row["transcription_delay_s"] or 0.0)) if settings.preemptive_generation else 0.0
-            row["added_s"] = row["voice_to_voice_s"] - eot - max(0.0, llm_first - lead) - tts
+            tts_early = settings.preemptive_generation and settings.preemptive_tts
+            early, late = (llm_first + tts, 0.0) if tts_early else (llm_first, tts)  # before / after the commit
+            row["added_s"] = row["voice_to_voice_s"] - eot - max(0.0, early - lead) - late
+        # the part of it that is not Silero dating the end of speech after the last word
+        lag = row["vad_end_lag_s"]
+        row["added_after_vad_s"] = None if row["added_s"] is None or lag is None else row["added_s"] - lag
         rows.append(row)
     return rows
 
@@ -117,6 +126,9 @@ def _config_report(rows: list[dict]) -> dict:
         "ended_early": {"plain": sum(r["ended_early"] for r in rows if r["kind"] == "plain"),
                         "paused": sum(r["ended_early"] for r in rows if r["kind"] == "paused")},
         "silent_turns": sum(r["silent"] for r in rows),
+        # requests made for a reply that was not the one spoken (preemptive ones redone)
+        "wasted_requests": {k: sum(r[f"{k}_wasted"] for r in rows) for k in ("llm", "tts")},
+        "requests": {k: sum(r[f"{k}_requests"] for r in rows) for k in ("llm", "tts")},
     }  # fmt: skip
 
 
@@ -180,6 +192,7 @@ async def _bench(settings: Settings, llm: LocalService, turns: int, paused_turns
                   "ended_early": "no more than the baseline", "added_p95_s": 0.060,
                   "plain_transcript_wer": 0.05},
         "added_latency_s": tuned["summary"]["added_s"],
+        "added_latency_after_vad_s": tuned["summary"]["added_after_vad_s"],
         "tts_first_audio_idle_s": _summary(idle), "tts_first_audio_llm_busy_s": _summary(busy),
         "llm_stream_lines_during_busy": lines,
         "contention_ratio": statistics.median(busy) / statistics.median(idle), "goal_ratio": 1.3,

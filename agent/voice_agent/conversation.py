@@ -50,6 +50,12 @@ class TurnReport:
     tts_ttfb_s: float | None = None
     e2e_latency_s: float | None = None  # LiveKit's: end of user speech -> agent audio out
     voice_to_voice_s: float | None = None  # ours: last user sample sent -> first agent sample
+    # LiveKit's end of speech (the VAD's: where end_of_turn_delay counts from) - the last sample sent
+    vad_end_lag_s: float | None = None
+    llm_requests: int = 0  # LLM requests that ended during the turn
+    llm_wasted: int = 0  # of them, for a reply that was not the one spoken (preemptive, redone)
+    tts_requests: int = 0  # likewise for the TTS
+    tts_wasted: int = 0
     tool_calls: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # failures the agent answered anyway
     reply_audio: np.ndarray | None = field(default=None, repr=False)
@@ -79,6 +85,7 @@ class Conversation:
         self._errors: list[str] = []
         self._stt: list[float] = []
         self._calls: list[str] = []
+        self._work: list = []  # LLM and TTS metrics: one per request
         session.input.audio = audio_in
         session.output.audio = audio_out
         session.on("conversation_item_added", lambda ev: self._on_item(ev.item))
@@ -97,8 +104,7 @@ class Conversation:
         session.on("speech_created", self._on_speech)
         for component in (session.llm, session.tts):
             if component is not None:
-                component.on("metrics_collected", lambda m: self._note(
-                    f"{m.type.removesuffix('_metrics').upper()} done"))  # fmt: skip
+                component.on("metrics_collected", self._on_work)
 
     def _on_speech(self, ev) -> None:
         self._note(f"{ev.speech_handle.id} created ({ev.source})")
@@ -138,6 +144,19 @@ class Conversation:
         cause = f": {error_message(ev.error.error)}" if ev.error is not None else ""
         self._put(TurnFailed(f"the agent session closed ({ev.reason.value}){cause}"))
 
+    def _on_work(self, m) -> None:
+        self._note(f"{m.type.removesuffix('_metrics').upper()} done")
+        self._work.append(m)  # its speech_id is set by the agent activity's listener, maybe after this one
+
+    def _count_work(self, report: TurnReport, reply_speech: str | None) -> None:
+        """LLM and TTS requests of the turn; wasted: those of another speech than the reply's
+        (a preemptive generation whose transcript changed, a reply cut by the caller)."""
+        for m in self._work:
+            kind, speech_id = m.type.removesuffix("_metrics"), m.speech_id
+            setattr(report, f"{kind}_requests", getattr(report, f"{kind}_requests") + 1)
+            if speech_id != reply_speech:
+                setattr(report, f"{kind}_wasted", getattr(report, f"{kind}_wasted") + 1)
+
     def _on_metrics(self, metrics) -> None:
         if isinstance(metrics, STTMetrics):
             self._stt.append(metrics.duration)
@@ -148,9 +167,11 @@ class Conversation:
         report = TurnReport()
         self._stt.clear()
         self._calls.clear()
+        self._work.clear()
         self._errors.clear()
         self._trace.clear()
         t_sent = await self.audio_in.play(speech)
+        wall_offset = time.time() - time.perf_counter()  # LiveKit stamps with time.time()
         deadline = time.perf_counter() + timeout
         heard: list[str] = []
         while True:
@@ -173,6 +194,8 @@ class Conversation:
                 heard.append(item.text_content or "")
                 report.early_commits += early
                 report.end_of_turn_delay_s = m.get("end_of_turn_delay")
+                if (stopped := m.get("stopped_speaking_at")) is not None:
+                    report.vad_end_lag_s = stopped - (t_sent + wall_offset)
                 report.transcription_delay_s = m.get("transcription_delay")
             elif item.role == "assistant":
                 if early:  # its reply to the part before the pause: not this turn's answer
@@ -192,6 +215,9 @@ class Conversation:
         report.reply_audio_s = len(audio) / (self.audio_out.sample_rate or 24000)
         report.voice_to_voice_s = None if first is None else first - t_sent
         report.stt_s = sum(self._stt) if self._stt else None
+        # the reply's speech made the turn's last LLM request (its audio has played by now)
+        llm_speeches = [m.speech_id for m in self._work if m.type == "llm_metrics"]
+        self._count_work(report, llm_speeches[-1] if llm_speeches else None)
         report.tool_calls = list(self._calls)
         report.errors = list(self._errors)
         return report

@@ -133,7 +133,8 @@ def build_session(settings: Settings, *, tts_url: str, llm_url: str, vad=None, s
                             "max_delay": settings.endpointing_max_delay},
             "interruption": {"enabled": True, "mode": "vad", "min_duration": 0.3,
                              "resume_false_interruption": False},
-            "preemptive_generation": {"enabled": settings.preemptive_generation},
+            "preemptive_generation": {"enabled": settings.preemptive_generation,
+                                      "preemptive_tts": settings.preemptive_tts},
         },  # fmt: skip
         user_away_timeout=None,
         # LiveKit's default timeouts (10 s) would count a busy shared engine's queue, or a local

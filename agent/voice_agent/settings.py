@@ -239,6 +239,9 @@ class Settings(_EnvSettings):
     preemptive_generation: bool = _f("PREEMPTIVE_GENERATION", True, "start the LLM on the final "
                                      "transcript before the turn is committed (LiveKit's; redone "
                                      "if the transcript changes)")
+    preemptive_tts: bool = _f("PREEMPTIVE_TTS", False, "with PREEMPTIVE_GENERATION, also start the "
+                              "reply's speech before the turn is committed (LiveKit's; its audio "
+                              "plays only if the turn goes on to commit)")
     instructions: str = _f("AGENT_INSTRUCTIONS", "You are a helpful voice assistant. Answer in one "
                            "or two short spoken sentences, without markdown.", "system prompt")
     metrics_port: int = _f("METRICS_PORT", 0, "Prometheus port of the agent (`/metrics`; 0: off): "

@@ -84,7 +84,8 @@ class _Stream:
                 "first_audio_s": self.first_audio_s,
                 "max_chunk_gap_s": max(gaps) if gaps else None,
                 "p95_chunk_gap_s": _p95(gaps),
-                "median_chunk_gap_s": statistics.median(gaps) if gaps else None}  # fmt: skip
+                "median_chunk_gap_s": statistics.median(gaps) if gaps else None,
+                "chunk_gaps_s": [round(g, 4) for g in gaps]}  # fmt: skip
 
 
 async def _plain_load(model: str, variant: str) -> float:
@@ -252,6 +253,7 @@ def run_nice_comparison(model: str | None, repeats: int, nices: tuple[int, ...],
         plain = {v: statistics.median([await _plain_load(model, v) for _ in range(2)])
                  for v in ("bf16", "8bit")}  # fmt: skip
         runs: dict[str, list] = {str(n): [] for n in nices}
+        gaps: dict[str, dict[str, list[float]]] = {str(n): {"swap": [], "idle": []} for n in nices}
         for i in range(repeats):
             for n in nices:  # interleaved: the machine's other load hits both alike
                 print(f"  make-before-break, loading nice {n}, run {i + 1}", file=sys.stderr)
@@ -267,7 +269,13 @@ def run_nice_comparison(model: str | None, repeats: int, nices: tuple[int, ...],
                     "incomplete": sum(not r["complete"] for r in m["requests"]),
                 })  # fmt: skip
                 print(f"    {json.dumps(entry, default=float)}", file=sys.stderr, flush=True)
-        return {"plain_load_s": plain, "runs": runs}
+                gaps[str(n)]["swap"] += u["in_flight_stream"]["chunk_gaps_s"]
+                gaps[str(n)]["idle"] += u["idle_stream"]["chunk_gaps_s"]
+        # every interval of every run together: one run's p95 of 11 intervals is its worst one
+        pooled = {n: {"swap_p95_chunk_gap_s": _p95(g["swap"]), "idle_p95_chunk_gap_s": _p95(g["idle"]),
+                      "chunk_gap_p95_vs_idle": (_p95(g["swap"]) or 0) / (_p95(g["idle"]) or 1),
+                      "intervals": len(g["swap"])} for n, g in gaps.items()}  # fmt: skip
+        return {"plain_load_s": plain, "runs": runs, "pooled": pooled}
 
     result = asyncio.run(run())
     result["median"] = {n: {k: statistics.median(r[k] for r in rs if r[k] is not None)
