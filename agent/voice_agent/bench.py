@@ -6,9 +6,12 @@
    check, no preemptive generation). Per turn: end of speech -> turn committed, -> final
    transcript, LLM time to first token and first sentence, TTS first audio, voice-to-voice,
    whether the turn was committed before the caller's last word; p50/p95 per column and the
-   tuned/baseline ratios. What the glue adds = voice-to-voice - (end of turn + LLM time to first
-   sentence + TTS first-chunk compute); with preemptive generation only the LLM time after the
-   commit counts, at most all of it from the final transcript on (an upper bound on the glue).
+   tuned/baseline ratios. The end of speech is the caller's last sample sent, as for
+   voice-to-voice; LiveKit's own delays (`end_of_turn_delay_s`, `transcription_delay_s`) count
+   from the VAD's end of speech, which Silero dates later (`vad_end_lag_s`). What the glue adds =
+   voice-to-voice - (end of turn + LLM time to first sentence + TTS first-chunk compute); with
+   preemptive generation only the LLM time after the commit counts, at most all of it from the
+   final transcript on (an upper bound on the glue).
 2. TTS first-audio latency while the local LLM generates, divided by the same when idle.
 """
 
@@ -29,9 +32,9 @@ from .local_services import LocalService, ensure_llm
 from .settings import Settings
 from .turn_bench import PAUSED, baseline, turn_set, word_error_rate, words
 
-COLUMNS = ("end_of_turn_delay_s", "transcription_delay_s", "llm_ttft_s", "llm_ttfs_s", "tts_ttfb_s",
-           "voice_to_voice_s", "tts_first_chunk_compute_s", "added_s", "vad_end_lag_s",
-           "added_after_vad_s")  # fmt: skip
+COLUMNS = ("end_of_turn_s", "transcription_s", "llm_ttft_s", "llm_ttfs_s", "tts_ttfb_s", "voice_to_voice_s",
+           "tts_first_chunk_compute_s", "added_s", "end_of_turn_delay_s", "transcription_delay_s",
+           "vad_end_lag_s")  # fmt: skip
 TURN_SETTINGS = ("stt_streaming", "stt_encoder_context", "stt_final_silence", "vad_min_silence", "endpointing_min_delay", "endpointing_max_delay", "turn_detector",
                  "preemptive_generation", "preemptive_tts", "tts_first_clause_words", "tts_first_clause_chunk_frames")  # fmt: skip
 
@@ -98,8 +101,11 @@ async def _turns(settings: Settings, turns, tts_url: str, llm_url: str, handler)
                "tts_first_chunk_compute_s": chunks[0] if chunks else None, "stt_s": r.stt_s,
                "llm_requests": r.llm_requests, "llm_wasted": r.llm_wasted,
                "tts_requests": r.tts_requests, "tts_wasted": r.tts_wasted}  # fmt: skip
+        lag = r.vad_end_lag_s  # from the caller's last sample to LiveKit's end of speech
+        for ours, livekit in (("end_of_turn_s", "end_of_turn_delay_s"), ("transcription_s", "transcription_delay_s")):
+            row[ours] = None if lag is None or row[livekit] is None else row[livekit] + lag
         llm_first = row["llm_ttfs_s"] if row["llm_ttfs_s"] is not None else row["llm_ttft_s"]
-        parts = (row["end_of_turn_delay_s"], llm_first, row["tts_first_chunk_compute_s"])
+        parts = (row["end_of_turn_s"], llm_first, row["tts_first_chunk_compute_s"])
         if None in (*parts, row["voice_to_voice_s"]):
             row["added_s"] = None
         else:
@@ -108,13 +114,10 @@ async def _turns(settings: Settings, turns, tts_url: str, llm_url: str, handler)
             # the final transcript, before the turn is committed: at most (end of turn -
             # transcription delay) of their time is hidden. Counting only the rest as compute
             # bounds the glue from above.
-            lead = max(0.0, eot - (row["transcription_delay_s"] or 0.0)) if settings.preemptive_generation else 0.0
+            lead = max(0.0, eot - (row["transcription_s"] or 0.0)) if settings.preemptive_generation else 0.0
             tts_early = settings.preemptive_generation and settings.preemptive_tts
             early, late = (llm_first + tts, 0.0) if tts_early else (llm_first, tts)  # before / after the commit
             row["added_s"] = row["voice_to_voice_s"] - eot - max(0.0, early - lead) - late
-        # the part of it that is not Silero dating the end of speech after the last word
-        lag = row["vad_end_lag_s"]
-        row["added_after_vad_s"] = None if row["added_s"] is None or lag is None else row["added_s"] - lag
         rows.append(row)
     return rows
 
@@ -184,15 +187,15 @@ async def _bench(settings: Settings, llm: LocalService, turns: int, paused_turns
         "settings": {name: {k: asdict(c)[k] for k in TURN_SETTINGS} for name, c in configs.items()},
         "paused_set": [{"before": b, "pause_s": p, "after": a} for b, p, a in PAUSED[:paused_turns]],
         "tuned": tuned, "baseline": base,
-        "ratios": {"end_of_turn_p50": _ratio(tuned, base, "end_of_turn_delay_s"),
-                   "transcription_delay_p50": _ratio(tuned, base, "transcription_delay_s"),
-                   "voice_to_voice_p50": _ratio(tuned, base, "voice_to_voice_s")},
+        "ratios": {"end_of_turn_p50": _ratio(tuned, base, "end_of_turn_s"),
+                   "transcription_p50": _ratio(tuned, base, "transcription_s"),
+                   "voice_to_voice_p50": _ratio(tuned, base, "voice_to_voice_s"),
+                   "livekit_end_of_turn_delay_p50": _ratio(tuned, base, "end_of_turn_delay_s")},
         "plain_transcript_wer_vs_baseline": statistics.mean(wers) if wers else None,
         "goals": {"end_of_turn_p50_ratio": 0.5, "voice_to_voice_p50_ratio": 0.7,
                   "ended_early": "no more than the baseline", "added_p95_s": 0.060,
                   "plain_transcript_wer": 0.05},
         "added_latency_s": tuned["summary"]["added_s"],
-        "added_latency_after_vad_s": tuned["summary"]["added_after_vad_s"],
         "tts_first_audio_idle_s": _summary(idle), "tts_first_audio_llm_busy_s": _summary(busy),
         "llm_stream_lines_during_busy": lines,
         "contention_ratio": statistics.median(busy) / statistics.median(idle), "goal_ratio": 1.3,
