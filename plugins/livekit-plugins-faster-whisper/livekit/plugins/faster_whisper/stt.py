@@ -536,7 +536,7 @@ def _decode_window(
 
 _FRAMES_PER_SECOND = 100  # whisper's mel frames
 _FULL_CONTEXT = 3000  # 30 s
-_PAD_FRAMES = 500  # padding kept after the audio: whisper's decoder expects silence to follow
+_PAD_FRAMES = 500  # padding kept after the audio (with 1 s, whisper repeated itself at the end)
 
 
 def _short_context(model: WhisperModel, audio_s: float, context_s: float) -> WhisperModel:
