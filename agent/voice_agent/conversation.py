@@ -148,15 +148,6 @@ class Conversation:
         self._note(f"{m.type.removesuffix('_metrics').upper()} done")
         self._work.append(m)  # its speech_id is set by the agent activity's listener, maybe after this one
 
-    def _count_work(self, report: TurnReport, reply_speech: str | None) -> None:
-        """LLM and TTS requests of the turn; wasted: those of another speech than the reply's
-        (a preemptive generation whose transcript changed, a reply cut by the caller)."""
-        for m in self._work:
-            kind, speech_id = m.type.removesuffix("_metrics"), m.speech_id
-            setattr(report, f"{kind}_requests", getattr(report, f"{kind}_requests") + 1)
-            if speech_id != reply_speech:
-                setattr(report, f"{kind}_wasted", getattr(report, f"{kind}_wasted") + 1)
-
     def _on_metrics(self, metrics) -> None:
         if isinstance(metrics, STTMetrics):
             self._stt.append(metrics.duration)
@@ -215,9 +206,15 @@ class Conversation:
         report.reply_audio_s = len(audio) / (self.audio_out.sample_rate or 24000)
         report.voice_to_voice_s = None if first is None else first - t_sent
         report.stt_s = sum(self._stt) if self._stt else None
-        # the reply's speech made the turn's last LLM request (its audio has played by now)
-        llm_speeches = [m.speech_id for m in self._work if m.type == "llm_metrics"]
-        self._count_work(report, llm_speeches[-1] if llm_speeches else None)
+        # LLM and TTS requests of the turn; wasted: those of another speech than the reply's (a
+        # preemptive generation whose transcript changed). The reply's speech made the turn's
+        # last LLM request (its audio has played by now).
+        llm_work = [m for m in self._work if m.type == "llm_metrics"]
+        tts_work = [m for m in self._work if m.type == "tts_metrics"]
+        reply = llm_work[-1].speech_id if llm_work else None
+        report.llm_requests, report.tts_requests = len(llm_work), len(tts_work)
+        report.llm_wasted = sum(m.speech_id != reply for m in llm_work)
+        report.tts_wasted = sum(m.speech_id != reply for m in tts_work)
         report.tool_calls = list(self._calls)
         report.errors = list(self._errors)
         return report
