@@ -193,17 +193,34 @@ def test_voice_agent_bench(tmp_path):
     assert report["goal_ratio"] == 1.3
 
 
+def test_qwen3_tts_bench_concurrency_codes_only(tiny_checkpoint):
+    """`--codes-only` (for a real-size model on a CPU): the codes paths, no vocoder, no server;
+    `--real-size` with `--model` is refused before anything loads."""
+    model = str(tiny_checkpoint("custom_voice"))
+    report = _run("qwen3-tts", "bench", "concurrency", "--model", model, "--streams", "1,2",
+                  "--frames", "4", "--repeats", "1", "--codes-only")  # fmt: skip
+    assert set(report["paths"]) == set(report["ratios"]) == {"codes", "codes_unbatched"}
+    assert report["paths"]["codes"]["2"]["determinism"]["streams_with_other_codes"] == 0
+    assert report["compute_dtype"] == "weights" and "server_compute_dtype" not in report
+    p = subprocess.run([str(BIN / "qwen3-tts"), "bench", "concurrency", "--real-size", "--model", model],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 2 and "--real-size and --model" in p.stderr and not p.stdout
+
+
 def test_qwen3_tts_bench_concurrency(tiny_checkpoint):
-    """`bench concurrency` at 1 and 2 streams, 4 frames each, one repeat, all three paths."""
+    """`bench concurrency` at 1 and 2 streams, 4 frames each, one repeat, all three paths, with
+    float32 compute (the in-process model and the server's worker both load with it)."""
     model = str(tiny_checkpoint("custom_voice"))
     report = _run("qwen3-tts", "bench", "concurrency", "--model", model, "--streams", "2,1",
-                  "--frames", "4", "--repeats", "1")  # fmt: skip
+                  "--frames", "4", "--repeats", "1", "--compute-dtype", "float32")  # fmt: skip
     assert report["streams"] == [1, 2] and report["frames_per_stream"] == 4
+    assert report["compute_dtype"] == report["server_compute_dtype"] == "float32"
     for path in ("codes", "codes_unbatched", "full", "http"):
         for n in (1, 2):
             level = report["paths"][path][str(n)]
-            _summary(level["first_audio_s"], f"{path} {n} first_audio_s", n=n)
-            _summary(level["rtf_per_stream"], f"{path} {n} rtf_per_stream", n=n)
+            # one stream runs twice: each level's p95 over as many streams as the largest's
+            _summary(level["first_audio_s"], f"{path} {n} first_audio_s", n=2)
+            _summary(level["rtf_per_stream"], f"{path} {n} rtf_per_stream", n=2)
             _positive(level["frames_per_s"], f"{path} {n} frames_per_s")
         assert report["ratios"][path]["1"] == {"first_audio_p95_ratio": 1.0, "frames_per_s_ratio": 1.0}
         _positive(report["ratios"][path]["2"]["first_audio_p95_ratio"], f"{path} ratio")

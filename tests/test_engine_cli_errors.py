@@ -38,3 +38,9 @@ def test_serve_on_a_port_in_use_is_one_line(tiny_checkpoint):
     assert "Traceback" not in p.stderr
     errors = [line for line in p.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1, p.stderr[-2000:]
+
+
+def test_serve_refuses_an_unknown_compute_dtype():
+    p = _run("serve", "--compute-dtype", "bfloat8")
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "--compute-dtype" in p.stderr and "float32" in p.stderr and "Traceback" not in p.stderr

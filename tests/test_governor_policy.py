@@ -210,6 +210,22 @@ def test_weight_bytes_follow_the_recipe():
     assert estimate_weight_bytes(tensors, get_recipe("4bit"), 1) == kept + 8192 // 2 + 2 * 128 * 2
 
 
+def test_float32_compute_weight_bytes_match_the_loaded_talker(tiny_checkpoint):
+    """With `compute_dtype="float32"` the governor's estimate of each rung grows by what the
+    cast adds to the loaded talker (its non-embedding floats, quantized scales included)."""
+    from qwen3_tts_engine.models.footprint import checkpoint_weight_bytes, model_bytes
+    from qwen3_tts_engine.models.loading import load
+    from qwen3_tts_engine.models.variants import resolve
+
+    path = tiny_checkpoint("custom_voice")
+    for variant in ("bf16", "4bit"):
+        native = checkpoint_weight_bytes(path, [variant])[variant]
+        wide = checkpoint_weight_bytes(path, [variant], "float32")[variant]
+        loaded = [model_bytes(load(resolve(str(path), variant), progress=False, compute_dtype=c)[0])["talker_bytes"]
+                  for c in (None, "float32")]  # fmt: skip
+        assert wide - native == loaded[1] - loaded[0] > 0, variant
+
+
 def test_footprints_prefer_measurements_and_estimate_from_them():
     from qwen3_tts_engine.models.footprint import Footprints
 

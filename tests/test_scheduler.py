@@ -67,9 +67,38 @@ def _drive(scheduler: Scheduler, plan: dict[int, list], until_done: set[str]) ->
 
 
 def test_streams_of_different_settings_batched_equal_their_solo_runs(eos_model, solo):
+    _batched_equals_solo(eos_model, solo)
+
+
+def test_float32_compute_batched_equals_its_solo_runs(tiny_checkpoint, eos_model):
+    """`compute_dtype="float32"` (mlx-cpu's fast matmuls): the talker's weights are float32,
+    the vocoder's are what they were, and batching still changes no seeded stream's codes."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    model, _ = load(resolve(str(tiny_checkpoint("custom_voice", eos="text"))), progress=False,
+                    compute_dtype="float32")  # fmt: skip
+    before = dict(tree_flatten(eos_model.talker.parameters()))
+    after = dict(tree_flatten(model.talker.parameters()))
+    tables = {k for k in after if "embedding" in k}  # embedding tables keep their dtype
+    assert tables and all(after[k].dtype == before[k].dtype == mx.bfloat16 for k in tables)
+    rest = {after[k].dtype for k in after if k not in tables and mx.issubdtype(after[k].dtype, mx.floating)}
+    assert rest == {mx.float32}
+    assert mx.bfloat16 in {before[k].dtype for k in before if k not in tables}  # what the option changed
+    vocoder = lambda m: {v.dtype for _, v in tree_flatten(m.speech_tokenizer.decoder.parameters())}  # noqa: E731
+    assert vocoder(model) == vocoder(eos_model)
+    _batched_equals_solo(model, {name: _solo(model, name) for name in REQUESTS})
+
+
+def test_an_unknown_compute_dtype_is_refused(tiny_checkpoint):
+    with pytest.raises(ValueError, match="float32"):
+        load(resolve(str(tiny_checkpoint("custom_voice"))), progress=False, compute_dtype="bfloat8")
+
+
+def _batched_equals_solo(model, solo) -> None:
     lengths = {name: len(codes) for name, (codes, _) in solo.items()}
     assert len(set(lengths.values())) == len(lengths), lengths  # they end at different frames
-    scheduler = Scheduler(eos_model, max_batch=8)
+    scheduler = Scheduler(model, max_batch=8)
     for name in ("a", "b"):
         scheduler.add(name, _req(**REQUESTS[name]), decode=False)
     # c and d join while a and b are running

@@ -18,6 +18,8 @@ CHUNK_FRAMES = 4  # a 4-token chunk: 320 ms, 7680 samples
 BYTES_PER_SAMPLE = 2  # s16le mono
 # Syntheses one handler worker advances together (continuous batching; `serve --max-batch`).
 DEFAULT_MAX_BATCH = 8
+# what a talker may compute in besides its weights' own dtype (float32: mlx-cpu's fast matmuls)
+COMPUTE_DTYPES = ("float32",)
 
 # Response headers the engine sets; the client reads them.
 HEADER_VARIANT = "X-Qwen3-TTS-Variant"

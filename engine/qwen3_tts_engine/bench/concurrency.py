@@ -128,14 +128,15 @@ def _collect(runs: list[dict]) -> dict:
     return out
 
 
-def _in_process(model_path: str, levels: list[int], frames: int, repeats: int) -> dict:
+def _in_process(model_path: str, levels: list[int], frames: int, repeats: int,
+                compute_dtype: str | None, codes_only: bool = False) -> dict:  # fmt: skip
     from qwen3_tts_engine.models.loading import load
     from qwen3_tts_engine.models.variants import resolve
 
-    model, _ = load(resolve(model_path), progress=False)
+    model, _ = load(resolve(model_path), progress=False, compute_dtype=compute_dtype)
     voice = sorted(model.config.talker_config.spk_id or {})[0] if model.config.talker_config.spk_id else None
-    _level(model, _requests(1, 4, voice, 99), batch=1, decode=True)  # warm-up
-    paths: dict = {"codes": {}, "codes_unbatched": {}, "full": {}}
+    _level(model, _requests(1, 4, voice, 99), batch=1, decode=not codes_only)  # warm-up
+    paths: dict = {"codes": {}, "codes_unbatched": {}} if codes_only else {"codes": {}, "codes_unbatched": {}, "full": {}}
     raw: dict = {}
     # round-robin: each repeat runs every level and path once, so a machine that slows down or
     # speeds up during the run weighs on all levels alike (the ratios compare them)
@@ -143,16 +144,23 @@ def _in_process(model_path: str, levels: list[int], frames: int, repeats: int) -
         print(f"  in process, repeat {r + 1} of {repeats}", file=sys.stderr, flush=True)
         for n in levels:
             for path, batch, decode in (("codes", n, False), ("codes_unbatched", 1, False), ("full", n, True)):
-                if path == "codes_unbatched" and n == 1:
+                if (path == "codes_unbatched" and n == 1) or path not in paths:
                     continue
-                run = _level(model, _requests(n, frames, voice, r), batch=batch, decode=decode)
-                raw.setdefault((path, n), []).append(run)
+                # a smaller level runs more often, so that every level's p95 is taken over as
+                # many first-audio times as the largest level's (p95 of 5 is their maximum)
+                for extra in range(1 if path == "codes_unbatched" else -(-max(levels) // n)):
+                    reqs = _requests(n, frames, voice, r + repeats * extra)
+                    run = _level(model, reqs, batch=batch, decode=decode)
+                    raw.setdefault((path, n), []).append({**run, "extra": extra})
     for n in levels:
         raw["codes_unbatched", n] = raw["codes_unbatched", n] if n > 1 else raw["codes", n]
         for path in paths:
             paths[path][str(n)] = _collect(raw[path, n])
         if n > 1:
-            paths["codes"][str(n)]["determinism"] = _flips(raw["codes", n], raw["codes_unbatched", n])
+            paths["codes"][str(n)]["determinism"] = _flips(
+                [run for run in raw["codes", n] if run["extra"] == 0], raw["codes_unbatched", n])
+    if codes_only:
+        return paths
     one = paths["full"][str(levels[0])].get("mlx_peak_bytes")
     for n in levels[1:]:
         peak = paths["full"][str(n)].get("mlx_peak_bytes")
@@ -172,13 +180,14 @@ async def _http_stream(client: httpx.AsyncClient, url: str, body: dict, t0: floa
     return first, time.perf_counter() - t0, size // 2 / 24000
 
 
-async def _http(model_path: str, levels: list[int], frames: int, repeats: int) -> dict:
+async def _http(model_path: str, levels: list[int], frames: int, repeats: int,
+                compute_dtype: str | None) -> tuple[dict, str | None]:  # fmt: skip
     from qwen3_tts_engine.runtime.engine import Engine
     from qwen3_tts_engine.runtime.handler import Handler
     from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
-    server = EngineServer(Engine(model_path, [Handler(model_path, max_batch=max(levels))]),
-                          ServerConfig(port=0))  # fmt: skip
+    handler = Handler(model_path, max_batch=max(levels), compute_dtype=compute_dtype)
+    server = EngineServer(Engine(model_path, [handler]), ServerConfig(port=0))
     await server.start()
     url = f"http://127.0.0.1:{server.port}/v1/audio/speech"
     voice = (server.engine.active.info["voices"] or [None])[0]
@@ -189,21 +198,23 @@ async def _http(model_path: str, levels: list[int], frames: int, repeats: int) -
             for r in range(repeats):  # round-robin over the levels, as in process
                 print(f"  HTTP, repeat {r + 1} of {repeats}", file=sys.stderr, flush=True)
                 for n in levels:
-                    t0 = time.perf_counter()
-                    results = await asyncio.gather(*(
-                        _http_stream(client, url, {**req.to_dict(), "stream": True,
-                                                   "response_format": "pcm"}, t0)
-                        for req in _requests(n, frames, voice, r)
-                    ))  # fmt: skip
-                    wall = max(end for _, end, _ in results)
-                    runs[n].append({"first": [f for f, _, _ in results],
-                                    "rtf": [end / secs for _, end, secs in results],
-                                    "frames_per_s": sum(secs for _, _, secs in results) * FRAME_RATE / wall})  # fmt: skip
+                    for extra in range(-(-max(levels) // n)):  # as many streams per level
+                        t0 = time.perf_counter()
+                        results = await asyncio.gather(*(
+                            _http_stream(client, url, {**req.to_dict(), "stream": True,
+                                                       "response_format": "pcm"}, t0)
+                            for req in _requests(n, frames, voice, r + repeats * extra)
+                        ))  # fmt: skip
+                        wall = max(end for _, end, _ in results)
+                        runs[n].append({"first": [f for f, _, _ in results],
+                                        "rtf": [end / secs for _, end, secs in results],
+                                        "frames_per_s": sum(secs for _, _, secs in results) * FRAME_RATE / wall})  # fmt: skip
                     steps[n] = {k: server.engine.active.batching.get(k)  # the server's recent steps
                                 for k in ("step_s_p50", "step_s_p95", "batch_occupancy")}  # fmt: skip
+        compute = server.engine.active.info.get("compute_dtype")  # as the worker loaded it
     finally:
         await server.stop()
-    return {str(n): {**_collect(runs[n]), "server_step_s": steps[n]} for n in levels}
+    return {str(n): {**_collect(runs[n]), "server_step_s": steps[n]} for n in levels}, compute
 
 
 def _ratios(path: dict) -> dict:
@@ -220,17 +231,31 @@ def run_concurrency_bench(args) -> int:
     from qwen3_tts_engine.testing.tiny_checkpoint import write_tiny_checkpoint
 
     model = args.model
-    if not model:
+    if args.real_size and model:
+        print("qwen3-tts: error: --real-size and --model name two models; give one", file=sys.stderr)
+        return 2
+    if args.real_size:  # the real 0.6B architecture, random weights (written once, ~2.5 GB)
+        from qwen3_tts_engine.bench.memory import real_size_dir, write_real_size_checkpoint
+
+        model = str(real_size_dir())
+        if not (Path(model) / "speech_tokenizer" / "config.json").is_file():
+            print(f"writing the real-size checkpoint to {model} ...", file=sys.stderr, flush=True)
+            write_real_size_checkpoint(Path(model))
+    elif not model:
         model = str(cache_root() / "tiny" / "custom_voice-8layers-seed0")
         if not (Path(model) / "config.json").is_file():
             write_tiny_checkpoint(model, variant="custom_voice", seed=0, talker_layers=8)
     levels = sorted(set(args.streams))
-    report: dict = {"model": model, "tiny_checkpoint": not args.model, "streams": levels,
-                    "frames_per_stream": args.frames, "repeats": args.repeats}  # fmt: skip
+    report: dict = {"model": model, "tiny_checkpoint": not (args.model or args.real_size), "streams": levels,
+                    "frames_per_stream": args.frames, "repeats": args.repeats,
+                    "compute_dtype": args.compute_dtype or "weights"}  # fmt: skip
     print(f"benchmarking concurrency on {model} ...", file=sys.stderr, flush=True)
-    report["paths"] = _in_process(model, levels, args.frames, args.repeats)
-    if not args.no_http:
-        report["paths"]["http"] = asyncio.run(_http(model, levels, args.frames, args.repeats))
+    report["paths"] = _in_process(model, levels, args.frames, args.repeats, args.compute_dtype,
+                                  codes_only=args.codes_only)  # fmt: skip
+    if not (args.no_http or args.codes_only):
+        report["paths"]["http"], compute = asyncio.run(_http(model, levels, args.frames, args.repeats,
+                                                              args.compute_dtype))  # fmt: skip
+        report["server_compute_dtype"] = compute or "weights"
     report["ratios"] = {path: _ratios(v) for path, v in report["paths"].items()}
     text = json.dumps(report, indent=2)
     print(text)

@@ -187,7 +187,9 @@ class Governor:
         rungs = tuple(v for v in effective_ladder(self.configured.ladder, start)
                       if (v == start or self._loadable(v)) and self._passes_gate(v, start))  # fmt: skip
         model_dir = Path(self.engine.model).expanduser()
-        return rungs, checkpoint_weight_bytes(model_dir, rungs) if model_dir.is_dir() else {}
+        if not model_dir.is_dir():
+            return rungs, {}
+        return rungs, checkpoint_weight_bytes(model_dir, rungs, self.engine.active.compute_dtype)
 
     async def settle(self) -> None:
         """Wait until the handlers that swaps replaced have finished their work and stopped."""

@@ -18,6 +18,8 @@ from .recipes import Recipe, get_recipe, quantization_plan
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U32": 4, "I32": 4, "I64": 8, "U8": 1,
                "I8": 1, "BOOL": 1}  # fmt: skip
 Tensors = Mapping[str, tuple[tuple[int, ...], str]]  # name -> (shape, safetensors dtype)
+FLOATS = ("BF16", "F16", "F32")
+COMPUTE_BYTES = {"float32": 4}  # per value, for each of protocol.COMPUTE_DTYPES
 
 
 def read_safetensors_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -27,9 +29,12 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]
     return {k: (tuple(v["shape"]), v["dtype"]) for k, v in header.items() if k != "__metadata__"}
 
 
-def estimate_weight_bytes(tensors: Tensors, recipe: Recipe, num_talker_layers: int) -> int:
+def estimate_weight_bytes(tensors: Tensors, recipe: Recipe, num_talker_layers: int,
+                          compute_dtype: str | None = None) -> int:  # fmt: skip
     """Bytes of `tensors` (full precision) once quantized with `recipe`, as mlx stores them:
-    packed weights plus one scale and one bias per group, in the weight's dtype."""
+    packed weights plus one scale and one bias per group, in the weight's dtype. With a
+    `compute_dtype` (float32), the talker's floating tensors other than its embedding tables
+    take its size, as `loading.compute_talker_in` casts them."""
     modules = [(name.removesuffix(".weight"), shape[-1]) for name, (shape, _) in tensors.items()
                if name.endswith(".weight") and len(shape) == 2]  # Linear / Embedding  # fmt: skip
     plan = quantization_plan(recipe, modules, num_talker_layers)
@@ -37,6 +42,8 @@ def estimate_weight_bytes(tensors: Tensors, recipe: Recipe, num_talker_layers: i
     for name, (shape, dtype) in tensors.items():
         n, size = math.prod(shape), DTYPE_BYTES.get(dtype, 2)
         module = name.removesuffix(".weight")
+        if compute_dtype and dtype in FLOATS and name.startswith("talker.") and "embedding" not in module:
+            size = COMPUTE_BYTES[compute_dtype]
         if name.endswith(".weight") and module in plan:
             bits, group = plan[module]
             total += n * bits // 8 + 2 * (n // group) * size
@@ -56,9 +63,11 @@ def vocoder_bytes(tensors: Tensors, recipe: Recipe) -> int:
     return total
 
 
-def checkpoint_weight_bytes(model_dir: Path, variants: Iterable[str]) -> dict[str, int]:
+def checkpoint_weight_bytes(model_dir: Path, variants: Iterable[str],
+                            compute_dtype: str | None = None) -> dict[str, int]:  # fmt: skip
     """Estimated weight bytes per variant of a local full-precision checkpoint ({} otherwise):
-    the root weights as each recipe quantizes them plus the vocoder in each recipe's dtype."""
+    the root weights as each recipe quantizes them (the talker computing in `compute_dtype`)
+    plus the vocoder in each recipe's dtype."""
     try:
         config = json.loads((model_dir / "config.json").read_text())
         if config.get("quantization") or config.get("quantization_config"):
@@ -70,7 +79,7 @@ def checkpoint_weight_bytes(model_dir: Path, variants: Iterable[str]) -> dict[st
         for f in sorted(model_dir.glob("speech_tokenizer/*.safetensors")):
             vocoder.update(read_safetensors_header(f))
         layers = config["talker_config"]["num_hidden_layers"]
-        return {v: estimate_weight_bytes(tensors, get_recipe(v), layers)
+        return {v: estimate_weight_bytes(tensors, get_recipe(v), layers, compute_dtype)
                 + vocoder_bytes(vocoder, get_recipe(v)) for v in variants}  # fmt: skip
     except (OSError, KeyError, ValueError):
         return {}

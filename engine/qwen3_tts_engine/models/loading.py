@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from qwen3_tts_engine.log import logger
+from qwen3_tts_engine.protocol import COMPUTE_DTYPES
 
 from .recipes import ALWAYS_SKIPPED, Recipe, quantization_plan
 from .variants import ModelSource
@@ -260,7 +261,36 @@ def defer_unused_imports(names: tuple[str, ...] = DEFERRED_IMPORTS) -> list[str]
     return deferred
 
 
-def load_checkpoint(path: Path, *, keep_encoder: bool | None = None):
+def check_compute_dtype(dtype: str | None) -> None:
+    if dtype is not None and dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute dtype must be one of {', '.join(COMPUTE_DTYPES)} (or none: the "
+                         f"weights' own), got {dtype!r}")  # fmt: skip
+
+
+def compute_talker_in(model, dtype: str) -> None:
+    """The talker and code predictor compute in `dtype`: their floating weights (quantized
+    modules' scales and biases included) cast once, so activations and the KV cache follow.
+    Embedding tables keep their dtype (a lookup costs nothing; the first matmul promotes what
+    it reads), so the largest tables of the real model do not double.
+
+    For mlx's CPU backend: its bfloat16 matmul is a plain loop whose cost grows with every row
+    of a batch, while float32 runs on BLAS (measured on the tiny checkpoint: a 64x64 matmul
+    7/13/21 us at 1/4/8 rows in bfloat16, 3/5/5 us in float32). The cast weights take twice
+    the memory of bfloat16."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    target = getattr(mx, dtype)
+    tables = {path for path, m in model.talker.named_modules()
+              if isinstance(m, nn.Embedding | nn.QuantizedEmbedding)}  # fmt: skip
+    cast = [(name, value.astype(target)) for name, value in tree_flatten(model.talker.parameters())
+            if mx.issubdtype(value.dtype, mx.floating) and name.rpartition(".")[0] not in tables]  # fmt: skip
+    model.talker.load_weights(cast, strict=False)
+    mx.eval(model.talker.parameters())
+
+
+def load_checkpoint(path: Path, *, keep_encoder: bool | None = None, compute_dtype: str | None = None):
     """A local Qwen3-TTS checkpoint as an mlx-audio Model with its tokenizers.
 
     The steps of mlx-audio's `load_model`, except that quantized embeddings load (mlx-audio's own
@@ -275,6 +305,7 @@ def load_checkpoint(path: Path, *, keep_encoder: bool | None = None):
 
     from .cpu_kernels import on_cpu, use_fast_cpu_kernels
 
+    check_compute_dtype(compute_dtype)
     path = Path(path)
     # transformers warns "a model of type `qwen3_tts` ... of type ``" on every load of a correct
     # checkpoint (mlx-audio reads a sub-config through a generic class): noise, not a problem.
@@ -299,17 +330,21 @@ def load_checkpoint(path: Path, *, keep_encoder: bool | None = None):
         model.speech_tokenizer.encoder_model = None
     if config.get("qwen3_tts_vocoder_dtype"):
         cast_vocoder(model, config["qwen3_tts_vocoder_dtype"])
+    if compute_dtype is not None:
+        compute_talker_in(model, compute_dtype)
     if on_cpu():  # mlx's CPU kernels for the vocoder's convolutions are slow (cpu_kernels.py)
         use_fast_cpu_kernels(model.speech_tokenizer)
     release_freed_memory()
     return model
 
 
-def load(source: ModelSource, *, progress: bool = True):
-    """Load the mlx-audio model for `source`. Returns (model, details)."""
+def load(source: ModelSource, *, progress: bool = True, compute_dtype: str | None = None):
+    """Load the mlx-audio model for `source` (its talker computing in `compute_dtype`, None:
+    the weights' dtype). Returns (model, details)."""
+    check_compute_dtype(compute_dtype)  # before a download
     t0 = time.perf_counter()
     path, cached = prepare(source, progress=progress)
-    model = load_checkpoint(path)
+    model = load_checkpoint(path, compute_dtype=compute_dtype)
     return model, {
         "path": str(path),
         "from_cache": cached,

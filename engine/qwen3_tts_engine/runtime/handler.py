@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from qwen3_tts_engine.log import logger
-from qwen3_tts_engine.protocol import DEFAULT_MAX_BATCH, SpeechRequest
+from qwen3_tts_engine.protocol import COMPUTE_DTYPES, DEFAULT_MAX_BATCH, SpeechRequest
 
 from .worker import renice, worker_main
 
@@ -115,9 +115,12 @@ class Handler:
         restart: bool = True,
         load_timeout: float = 1800.0,
         max_batch: int = DEFAULT_MAX_BATCH,
+        compute_dtype: str | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)} or None, got {compute_dtype!r}")
         self.model = model
         self.requested_variant = variant
         self.warmup = warmup
@@ -125,6 +128,7 @@ class Handler:
         self.restart = restart
         self.load_timeout = load_timeout
         self.max_batch = max_batch
+        self.compute_dtype = compute_dtype  # the talker's (None: its weights' dtype)
         self.name = f"{model}:{variant or 'default'}#{next(_ids)}"
         self.nice = 0  # the worker's niceness while it starts (set_nice changes it later)
         self.state = "stopped"  # starting | ready | draining | failed | stopped
@@ -155,7 +159,7 @@ class Handler:
         """A new, unstarted handler of the same model and options in `variant` (for swaps)."""
         return Handler(self.model, variant, warmup=self.warmup, max_queue=self.max_queue,
                        restart=self.restart, load_timeout=self.load_timeout,
-                       max_batch=self.max_batch)  # fmt: skip
+                       max_batch=self.max_batch, compute_dtype=self.compute_dtype)  # fmt: skip
 
     @property
     def variant(self) -> str | None:
@@ -178,7 +182,8 @@ class Handler:
         self.state = "starting"
         self._ready.clear()
         spec = {"model": self.model, "variant": self.requested_variant, "warmup": self.warmup,
-                "nice": self.nice, "max_batch": self.max_batch}  # fmt: skip
+                "nice": self.nice, "max_batch": self.max_batch,
+                "compute_dtype": self.compute_dtype}  # fmt: skip
         if spare is not None and spare.take(self.nice):
             self._proc, parent = spare.proc, spare.conn
             parent.send(spec)

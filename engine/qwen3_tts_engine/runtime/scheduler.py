@@ -25,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
+from qwen3_tts_engine.models.blas_threads import blas_threads, threads_for
 from qwen3_tts_engine.protocol import CHUNK_FRAMES, SpeechRequest, default_max_new_tokens
 
 from .sampling import BatchSampler, SamplingParams, frame_uniforms, presence_mask
@@ -105,6 +106,8 @@ class Scheduler:
         suppress[self.vocab - 1024 :] = True
         suppress[self.eos] = False
         self.suppress = mx.array(suppress)
+        # the talker's steps on one BLAS thread where its matmuls are small (blas_threads.py)
+        self.step_threads = threads_for(config.hidden_size * config.intermediate_size)
         self.streams: dict[str, Stream] = {}
         self.rows: list[Stream] = []  # the streams in the batch, in cache-row order
         self.cache: list[BatchKVCache] | None = None
@@ -167,9 +170,10 @@ class Scheduler:
         rows = self.rows + joining
         if not rows:
             return events
-        logits, hidden = self._talker_step(joining)
-        codes, next_embeds, is_eos = self._codes(rows, logits, hidden)
-        mx.eval(codes, next_embeds, is_eos, *(s.key for s in rows))
+        with blas_threads(self.step_threads):
+            logits, hidden = self._talker_step(joining)
+            codes, next_embeds, is_eos = self._codes(rows, logits, hidden)
+            mx.eval(codes, next_embeds, is_eos, *(s.key for s in rows))
         self.rows = rows
         self.codes_s.append(time.perf_counter() - t0)
         self.batch_sizes.append(len(rows))
