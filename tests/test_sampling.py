@@ -1,11 +1,11 @@
 """The batched sampler draws what the plain filters over the whole vocabulary would draw.
 
-`BatchSampler` filters top-k by drawing from each row's k candidates only (one argpartition,
-then softmax and the inverse CDF over k values). The reference here is the textbook
-computation in numpy over the whole vocabulary, in id order: suppressed ids, repetition
-penalty, temperature, top-k, top-p (mlx-lm's rule), then the first id whose cumulative
-probability passes the row's uniform number. Logits are distinct float32 values (no ties at the
-k-th value, where the two may keep different sets by design).
+`BatchSampler` draws a row with top-k from a pool of candidates only (the batch's largest k +
+16 ids: one argpartition, then the filters, softmax and the inverse CDF over the pool). The
+reference here is the textbook computation in numpy over the whole vocabulary, in id order:
+suppressed ids, repetition penalty, temperature, top-k keeping ties at the k-th value, top-p
+(mlx-lm's rule), then the first id whose cumulative probability passes the row's uniform
+number.
 """
 
 from __future__ import annotations
@@ -77,6 +77,30 @@ def test_batched_draws_equal_the_whole_vocabulary_reference(rows):
         got = np.array(sampler.sample(mx.array(logits), mx.array(u)))[:, 0]
         want = [_reference(logits[b], float(u[b]), p) for b, p in enumerate(params)]
         assert got.tolist() == want, (trial, params)
+
+
+@pytest.mark.parametrize("vocab", [60, 66, 67])  # the pool (k + 16 = 66) at or over the vocabulary
+def test_a_pool_as_large_as_the_vocabulary_filters_the_whole_of_it(vocab):
+    params = [SamplingParams(), SamplingParams(top_k=5, top_p=0.9)]
+    sampler = BatchSampler(params, vocab)
+    rng = np.random.default_rng(vocab)
+    for trial in range(30):
+        logits = rng.permutation(vocab).astype(np.float32)[None].repeat(2, 0) / 16.0
+        u = rng.random(2).astype(np.float32)
+        got = np.array(sampler.sample(mx.array(logits), mx.array(u)))[:, 0].tolist()
+        assert got == [_reference(logits[b], float(u[b]), p) for b, p in enumerate(params)], trial
+
+
+def test_a_greedy_row_without_top_k_leaves_the_others_on_their_pool():
+    params = [SamplingParams(temperature=0.0, top_k=0), SamplingParams(top_k=20)]
+    sampler = BatchSampler(params, VOCAB)
+    assert sampler.pool == 20 + 16  # not the whole vocabulary for the greedy row's sake
+    rng = np.random.default_rng(11)
+    for trial in range(30):
+        logits = _logits(2, seed=500 + trial)
+        u = rng.random(2).astype(np.float32)
+        got = np.array(sampler.sample(mx.array(logits), mx.array(u)))[:, 0].tolist()
+        assert got == [_reference(logits[b], float(u[b]), p) for b, p in enumerate(params)], trial
 
 
 def test_suppressed_ids_and_the_repetition_penalty_as_the_reference():

@@ -34,7 +34,7 @@ def _openblas():
     try:
         process = ctypes.CDLL(None)  # the symbols already loaded (LD_PRELOAD puts OpenBLAS here)
         setter, getter = process.openblas_set_num_threads, process.openblas_get_num_threads
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, TypeError):  # TypeError: no CDLL(None) on Windows
         return None
     setter.argtypes, setter.restype = [ctypes.c_int], None
     getter.argtypes, getter.restype = [], ctypes.c_int

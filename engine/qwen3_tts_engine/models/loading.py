@@ -279,15 +279,15 @@ def compute_talker_in(model, dtype: str) -> None:
     the memory of bfloat16."""
     import mlx.core as mx
     import mlx.nn as nn
-    from mlx.utils import tree_flatten
 
     target = getattr(mx, dtype)
-    tables = {path for path, m in model.talker.named_modules()
-              if isinstance(m, nn.Embedding | nn.QuantizedEmbedding)}  # fmt: skip
-    cast = [(name, value.astype(target)) for name, value in tree_flatten(model.talker.parameters())
-            if mx.issubdtype(value.dtype, mx.floating) and name.rpartition(".")[0] not in tables]  # fmt: skip
-    model.talker.load_weights(cast, strict=False)
-    mx.eval(model.talker.parameters())
+    for _, module in model.talker.named_modules():
+        if isinstance(module, nn.Embedding | nn.QuantizedEmbedding):
+            continue
+        for key, value in list(module.items()):  # its own arrays, one at a time (a low peak)
+            if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
+                module[key] = value.astype(target)
+                mx.eval(module[key])
 
 
 def load_checkpoint(path: Path, *, keep_encoder: bool | None = None, compute_dtype: str | None = None):

@@ -52,7 +52,9 @@ class BatchSampler:
     the largest of the batch; one `argpartition`, kept in id order), so the filters, softmax and
     inverse CDF run over [B, pool] instead of [B, vocab]. The draw is the one over the whole
     vocabulary unless more than TOP_K_MARGIN ids tie at a row's k-th value, so it does not depend
-    on the other rows of the batch either (a seeded stream repeats itself batched).
+    on the other rows of the batch either (a seeded stream repeats itself batched). With more
+    ties (degenerate logits, many exactly equal), which of the tied ids the pool keeps may
+    depend on the batch's largest k.
     """
 
     def __init__(self, params: list[SamplingParams], vocab: int) -> None:
@@ -64,6 +66,7 @@ class BatchSampler:
         self.greedy = mx.array(greedy)[:, None]
         self.inv_temp = mx.array(1.0 / np.where(temps > 0, temps, 1.0))[:, None]
         top_k = np.array([p.top_k if 0 < p.top_k < vocab else vocab for p in params], np.int32)
+        top_k[greedy] = 1  # a greedy row takes the argmax: it must not widen the others' pool
         # every row filtered: a pool of candidates per row (the largest k plus a margin)
         pool = int(top_k.max()) + TOP_K_MARGIN
         self.pool = pool if (top_k < vocab).all() and pool < vocab else vocab
