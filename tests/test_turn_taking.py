@@ -95,10 +95,16 @@ async def test_a_pause_mid_sentence_does_not_end_the_turn(engine, spans):
     assert (0.05, settings.endpointing_max_delay) in decisions, decisions
     heard = paused.transcript.lower()
     assert paused.user_messages == 1 and paused.early_commits == 0, paused
-    assert "pizza" in heard and "olives" in heard, heard
+    # words on both sides of the pause; tiny.en spells the second half (heard alone, 1.5 s of
+    # espeak) as "extra cheese and olives" or e.g. "x-trachines and r-lives": what this test
+    # is about is that it joined the turn, not how well tiny.en hears it
+    assert "pizza with" in heard, heard
+    after = heard.split("pizza with", 1)[1].replace(".", " ").split()
+    assert len(after) >= 2, heard
+    last = after[-1]
     # ...and the reply answers that whole transcript (an earlier, preemptive one was redone)
-    assert "olives" in paused.reply_text.lower() and "pizza" in paused.reply_text.lower()
-    finals = [r for r in chat.requests if "olives" in str(r["messages"][-1].get("content", "")).lower()]
+    assert last in paused.reply_text.lower() and "pizza" in paused.reply_text.lower()
+    finals = [r for r in chat.requests if last in str(r["messages"][-1].get("content", "")).lower()]
     assert finals, [r["messages"][-1] for r in chat.requests]
 
 
