@@ -398,8 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"in its queue (default {DEFAULT_MAX_BATCH})")
     s.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default=None,
                    help="the talker computes in this dtype instead of its weights' (float32: "
-                   "on mlx's CPU backend, 1.2-2x faster per step and batches almost for free, at "
-                   "twice the memory of bfloat16 weights; on a Mac or GPU, leave it)")
+                   "on mlx's CPU backend its matmuls run on BLAS: the real 0.6B talker's step "
+                   "1.6x faster alone and 4x at 8 streams, at twice the memory of bfloat16 "
+                   "weights; on a Mac or GPU, leave it)")
     s.add_argument("--max-input-chars", type=int, default=4000)
     s.add_argument("--voice-alias", action=_VoiceAlias, metavar="NAME=VOICE",
                    help="a voice name requests may use for one of the model's voices (repeatable; "

@@ -21,6 +21,13 @@ DEFAULT_MAX_BATCH = 8
 # what a talker may compute in besides its weights' own dtype (float32: mlx-cpu's fast matmuls)
 COMPUTE_DTYPES = ("float32",)
 
+
+def check_compute_dtype(dtype: str | None) -> None:
+    """ValueError unless `dtype` is None (the weights' own) or one of COMPUTE_DTYPES."""
+    if dtype is not None and dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute dtype must be one of {', '.join(COMPUTE_DTYPES)} (or none: the "
+                         f"weights' own), got {dtype!r}")  # fmt: skip
+
 # Response headers the engine sets; the client reads them.
 HEADER_VARIANT = "X-Qwen3-TTS-Variant"
 HEADER_MODEL = "X-Qwen3-TTS-Model"

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from qwen3_tts_engine.log import logger
-from qwen3_tts_engine.protocol import COMPUTE_DTYPES
+from qwen3_tts_engine.protocol import check_compute_dtype
 
 from .recipes import ALWAYS_SKIPPED, Recipe, quantization_plan
 from .variants import ModelSource
@@ -259,12 +259,6 @@ def defer_unused_imports(names: tuple[str, ...] = DEFERRED_IMPORTS) -> list[str]
             setattr(sys.modules[parent], child, module)
         deferred.append(name)
     return deferred
-
-
-def check_compute_dtype(dtype: str | None) -> None:
-    if dtype is not None and dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"compute dtype must be one of {', '.join(COMPUTE_DTYPES)} (or none: the "
-                         f"weights' own), got {dtype!r}")  # fmt: skip
 
 
 def compute_talker_in(model, dtype: str) -> None:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from qwen3_tts_engine.log import logger
-from qwen3_tts_engine.protocol import COMPUTE_DTYPES, DEFAULT_MAX_BATCH, SpeechRequest
+from qwen3_tts_engine.protocol import DEFAULT_MAX_BATCH, SpeechRequest, check_compute_dtype
 
 from .worker import renice, worker_main
 
@@ -119,8 +119,7 @@ class Handler:
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-        if compute_dtype is not None and compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"compute_dtype must be one of {', '.join(COMPUTE_DTYPES)} or None, got {compute_dtype!r}")
+        check_compute_dtype(compute_dtype)
         self.model = model
         self.requested_variant = variant
         self.warmup = warmup
