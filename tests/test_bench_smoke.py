@@ -201,7 +201,8 @@ def test_qwen3_tts_bench_concurrency_codes_only(tiny_checkpoint):
                   "--frames", "4", "--repeats", "1", "--codes-only")  # fmt: skip
     assert set(report["paths"]) == set(report["ratios"]) == {"codes", "codes_unbatched"}
     assert report["paths"]["codes"]["2"]["determinism"]["streams_with_other_codes"] == 0
-    assert report["compute_dtype"] == "weights" and "server_compute_dtype" not in report
+    # the default compute dtype (auto) as resolved on this CPU
+    assert report["compute_dtype"] == "float32" and "server_compute_dtype" not in report
     p = subprocess.run([str(BIN / "qwen3-tts"), "bench", "concurrency", "--real-size", "--model", model],
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert p.returncode == 2 and "--real-size and --model" in p.stderr and not p.stdout
@@ -209,12 +210,12 @@ def test_qwen3_tts_bench_concurrency_codes_only(tiny_checkpoint):
 
 def test_qwen3_tts_bench_concurrency(tiny_checkpoint):
     """`bench concurrency` at 1 and 2 streams, 4 frames each, one repeat, all three paths, with
-    float32 compute (the in-process model and the server's worker both load with it)."""
+    the weights' own compute dtype (the in-process model and the server's worker both load so)."""
     model = str(tiny_checkpoint("custom_voice"))
     report = _run("qwen3-tts", "bench", "concurrency", "--model", model, "--streams", "2,1",
-                  "--frames", "4", "--repeats", "1", "--compute-dtype", "float32")  # fmt: skip
+                  "--frames", "4", "--repeats", "1", "--compute-dtype", "weights")  # fmt: skip
     assert report["streams"] == [1, 2] and report["frames_per_stream"] == 4
-    assert report["compute_dtype"] == report["server_compute_dtype"] == "float32"
+    assert report["compute_dtype"] == report["server_compute_dtype"] == "weights"
     for path in ("codes", "codes_unbatched", "full", "http"):
         for n in (1, 2):
             level = report["paths"][path][str(n)]

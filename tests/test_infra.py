@@ -113,6 +113,8 @@ def check_engine_memory(limit: int, args) -> None:
     """The limit the governor reads fits the ladder: the top rung runs below the downgrade
     watermark and every one-rung swap can be make-before-break (as infra/ documents)."""
     policy = policy_for(args)
+    # the footprints were measured with the weights' own dtype (auto computes in float32 on a CPU)
+    assert args.compute_dtype == "weights", "FOOTPRINT holds for --compute-dtype weights only"
     ladder = list(policy.ladder)
     assert set(ladder) <= set(FOOTPRINT), f"no footprint known for {ladder}"
     start = args.variant[0] if args.variant else ladder[0]

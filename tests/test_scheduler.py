@@ -90,6 +90,23 @@ def test_float32_compute_batched_equals_its_solo_runs(tiny_checkpoint, eos_model
     _batched_equals_solo(model, {name: _solo(model, name) for name in REQUESTS})
 
 
+def test_auto_compute_is_float32_on_the_cpu_backend_only(tiny_checkpoint):
+    """`serve`'s default `--compute-dtype auto`: float32 where mlx runs on the CPU, the weights'
+    dtype on a GPU; the loader says which it used (the worker reports it, the governor reads it)."""
+    import mlx.core as mx
+
+    from qwen3_tts_engine.models.cpu_kernels import on_cpu
+    from qwen3_tts_engine.models.loading import resolve_compute_dtype
+
+    expected = "float32" if on_cpu() else None
+    assert resolve_compute_dtype("auto") == expected
+    assert resolve_compute_dtype(None) is None and resolve_compute_dtype("float32") == "float32"
+    model, details = load(resolve(str(tiny_checkpoint("custom_voice"))), progress=False, compute_dtype="auto")
+    assert details["compute_dtype"] == expected
+    weight = model.talker.model.layers[0].mlp.gate_proj.weight
+    assert weight.dtype == (mx.float32 if expected else mx.bfloat16)
+
+
 def test_an_unknown_compute_dtype_is_refused(tiny_checkpoint):
     with pytest.raises(ValueError, match="float32"):
         load(resolve(str(tiny_checkpoint("custom_voice"))), progress=False, compute_dtype="bfloat8")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .audio import pcm16, write_wav
 from .protocol import (
-    COMPUTE_DTYPES,
+    COMPUTE_CHOICES,
     DEFAULT_MAX_BATCH,
     SAMPLE_RATE,
     EngineStatus,
@@ -25,6 +25,7 @@ from .protocol import (
     SpeechRequest,
     VariantChange,
     check_input,
+    compute_dtype_option,
     normalize_language,
 )
 from .serving.auth import API_KEY_ENV, OPERATOR_KEY_ENV, bearer_header
@@ -82,7 +83,7 @@ def build_server(args: argparse.Namespace):
     # An explicit ladder without --variant starts at its top; otherwise the model's default.
     variants = args.variant or ([policy.ladder[0]] if args.ladder_given else [None])
     handlers = [Handler(model, v, max_queue=args.max_queue, max_batch=args.max_batch,
-                        compute_dtype=args.compute_dtype) for v in variants]  # fmt: skip
+                        compute_dtype=compute_dtype_option(args.compute_dtype)) for v in variants]  # fmt: skip
     config = ServerConfig(
         host=args.host, port=args.port, api_key=os.environ.get(API_KEY_ENV) or None,
         operator_key=os.environ.get(OPERATOR_KEY_ENV) or None, insecure_no_auth=args.insecure_no_auth,
@@ -396,11 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=_positive_int, default=DEFAULT_MAX_BATCH, metavar="N",
                    help="syntheses one worker runs together (continuous batching); more wait "
                         f"in its queue (default {DEFAULT_MAX_BATCH})")
-    s.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default=None,
-                   help="the talker computes in this dtype instead of its weights' (float32: "
-                   "on mlx's CPU backend its matmuls run on BLAS: the real 0.6B talker's step "
-                   "1.6x faster alone and 4x at 8 streams, at twice the memory of bfloat16 "
-                   "weights; on a Mac or GPU, leave it)")
+    s.add_argument("--compute-dtype", choices=COMPUTE_CHOICES, default="auto",
+                   help="what the talker computes in (default auto: float32 on mlx's CPU backend, "
+                   "where its matmuls run on BLAS (the real 0.6B talker's step 1.6x faster "
+                   "alone and 4x at 8 streams than in bfloat16) at twice the memory of "
+                   "bfloat16 weights for the talker; its weights' own dtype on a Mac or GPU. "
+                   "weights: always the weights' dtype)")
     s.add_argument("--max-input-chars", type=int, default=4000)
     s.add_argument("--voice-alias", action=_VoiceAlias, metavar="NAME=VOICE",
                    help="a voice name requests may use for one of the model's voices (repeatable; "
@@ -466,8 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "concurrency: default 32)")
     b.add_argument("--streams", type=_client_levels, default=(1, 2, 4, 8),
                    help="concurrency: levels, comma-separated (default 1,2,4,8)")
-    b.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default=None,
-                   help="concurrency: the talker computes in this dtype (as `serve`)")
+    b.add_argument("--compute-dtype", choices=COMPUTE_CHOICES, default="auto",
+                   help="concurrency: what the talker computes in (as `serve`; default auto)")
     b.add_argument("--real-size", action="store_true",
                    help="concurrency: the real 0.6B architecture with random weights (written "
                    "to the cache once, ~2.5 GB) instead of --model")

@@ -20,13 +20,24 @@ BYTES_PER_SAMPLE = 2  # s16le mono
 DEFAULT_MAX_BATCH = 8
 # what a talker may compute in besides its weights' own dtype (float32: mlx-cpu's fast matmuls)
 COMPUTE_DTYPES = ("float32",)
+# "auto": float32 on mlx's CPU backend (its bfloat16 matmuls run a plain loop per row, so a batch
+# of streams costs almost as much as the streams one by one), the weights' own dtype on a GPU
+AUTO_COMPUTE = "auto"
+# `--compute-dtype` choices ("weights": the weights' own dtype, None to the loader)
+COMPUTE_CHOICES = (AUTO_COMPUTE, "weights", *COMPUTE_DTYPES)
 
 
 def check_compute_dtype(dtype: str | None) -> None:
-    """ValueError unless `dtype` is None (the weights' own) or one of COMPUTE_DTYPES."""
-    if dtype is not None and dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"compute dtype must be one of {', '.join(COMPUTE_DTYPES)} (or none: the "
-                         f"weights' own), got {dtype!r}")  # fmt: skip
+    """ValueError unless `dtype` is None (the weights' own), "auto" or one of COMPUTE_DTYPES."""
+    if dtype is not None and dtype != AUTO_COMPUTE and dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute dtype must be one of {', '.join(COMPUTE_DTYPES)} or auto (or "
+                         f"none: the weights' own), got {dtype!r}")  # fmt: skip
+
+
+def compute_dtype_option(choice: str) -> str | None:
+    """What a `--compute-dtype` choice asks the loader for ("weights": None)."""
+    return None if choice == "weights" else choice
+
 
 # Response headers the engine sets; the client reads them.
 HEADER_VARIANT = "X-Qwen3-TTS-Variant"

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from qwen3_tts_engine.protocol import FRAME_RATE, SpeechRequest
+from qwen3_tts_engine.protocol import FRAME_RATE, SpeechRequest, compute_dtype_option
 
 TEXTS = [
     "Streaming speech, four frames at a time.",
@@ -227,7 +227,7 @@ def _ratios(path: dict) -> dict:
 
 
 def run_concurrency_bench(args) -> int:
-    from qwen3_tts_engine.models.loading import cache_root
+    from qwen3_tts_engine.models.loading import cache_root, resolve_compute_dtype
     from qwen3_tts_engine.testing.tiny_checkpoint import write_tiny_checkpoint
 
     model = args.model
@@ -246,15 +246,16 @@ def run_concurrency_bench(args) -> int:
         if not (Path(model) / "config.json").is_file():
             write_tiny_checkpoint(model, variant="custom_voice", seed=0, talker_layers=8)
     levels = sorted(set(args.streams))
+    compute_dtype = compute_dtype_option(args.compute_dtype)
     report: dict = {"model": model, "tiny_checkpoint": not (args.model or args.real_size), "streams": levels,
                     "frames_per_stream": args.frames, "repeats": args.repeats,
-                    "compute_dtype": args.compute_dtype or "weights"}  # fmt: skip
+                    "compute_dtype": resolve_compute_dtype(compute_dtype) or "weights"}  # fmt: skip
     print(f"benchmarking concurrency on {model} ...", file=sys.stderr, flush=True)
-    report["paths"] = _in_process(model, levels, args.frames, args.repeats, args.compute_dtype,
+    report["paths"] = _in_process(model, levels, args.frames, args.repeats, compute_dtype,
                                   codes_only=args.codes_only)  # fmt: skip
     if not (args.no_http or args.codes_only):
         report["paths"]["http"], compute = asyncio.run(_http(model, levels, args.frames, args.repeats,
-                                                              args.compute_dtype))  # fmt: skip
+                                                              compute_dtype))  # fmt: skip
         report["server_compute_dtype"] = compute or "weights"
     report["ratios"] = {path: _ratios(v) for path, v in report["paths"].items()}
     text = json.dumps(report, indent=2)

@@ -189,7 +189,7 @@ class Governor:
         model_dir = Path(self.engine.model).expanduser()
         if not model_dir.is_dir():
             return rungs, {}
-        return rungs, checkpoint_weight_bytes(model_dir, rungs, self.engine.active.compute_dtype)
+        return rungs, checkpoint_weight_bytes(model_dir, rungs, self.engine.active.loaded_compute_dtype)
 
     async def settle(self) -> None:
         """Wait until the handlers that swaps replaced have finished their work and stopped."""

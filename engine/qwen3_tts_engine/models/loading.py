@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from qwen3_tts_engine.log import logger
-from qwen3_tts_engine.protocol import check_compute_dtype
+from qwen3_tts_engine.protocol import AUTO_COMPUTE, check_compute_dtype
 
 from .recipes import ALWAYS_SKIPPED, Recipe, quantization_plan
 from .variants import ModelSource
@@ -284,6 +284,17 @@ def compute_talker_in(model, dtype: str) -> None:
                 mx.eval(module[key])
 
 
+def resolve_compute_dtype(dtype: str | None) -> str | None:
+    """The dtype a talker asked to compute in `dtype` computes in: "auto" is float32 on mlx's
+    CPU backend (see `compute_talker_in`) and the weights' own dtype (None) on a GPU."""
+    check_compute_dtype(dtype)
+    if dtype != AUTO_COMPUTE:
+        return dtype
+    from .cpu_kernels import on_cpu
+
+    return "float32" if on_cpu() else None
+
+
 def load_checkpoint(path: Path, *, keep_encoder: bool | None = None, compute_dtype: str | None = None):
     """A local Qwen3-TTS checkpoint as an mlx-audio Model with its tokenizers.
 
@@ -299,7 +310,7 @@ def load_checkpoint(path: Path, *, keep_encoder: bool | None = None, compute_dty
 
     from .cpu_kernels import on_cpu, use_fast_cpu_kernels
 
-    check_compute_dtype(compute_dtype)
+    compute_dtype = resolve_compute_dtype(compute_dtype)
     path = Path(path)
     # transformers warns "a model of type `qwen3_tts` ... of type ``" on every load of a correct
     # checkpoint (mlx-audio reads a sub-config through a generic class): noise, not a problem.
@@ -334,8 +345,9 @@ def load_checkpoint(path: Path, *, keep_encoder: bool | None = None, compute_dty
 
 def load(source: ModelSource, *, progress: bool = True, compute_dtype: str | None = None):
     """Load the mlx-audio model for `source` (its talker computing in `compute_dtype`, None:
-    the weights' dtype). Returns (model, details)."""
-    check_compute_dtype(compute_dtype)  # before a download
+    the weights' dtype; "auto": see `resolve_compute_dtype`). Returns (model, details), the
+    details naming the dtype the talker computes in."""
+    compute_dtype = resolve_compute_dtype(compute_dtype)  # before a download
     t0 = time.perf_counter()
     path, cached = prepare(source, progress=progress)
     model = load_checkpoint(path, compute_dtype=compute_dtype)
@@ -344,6 +356,7 @@ def load(source: ModelSource, *, progress: bool = True, compute_dtype: str | Non
         "from_cache": cached,
         "quantized_on_load": source.quantize_with is not None and not cached,
         "load_s": time.perf_counter() - t0,
+        "compute_dtype": compute_dtype,
     }
 
 

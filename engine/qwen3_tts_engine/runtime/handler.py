@@ -79,6 +79,11 @@ class SpareWorker:
         child.close()
 
     @property
+    def loaded_compute_dtype(self) -> str | None:
+        """The dtype the worker's talker computes in ("auto" as the worker resolved it)."""
+        return self.info["compute_dtype"] if "compute_dtype" in self.info else self.compute_dtype
+
+    @property
     def pid(self) -> int | None:
         return self.proc.pid
 
@@ -127,7 +132,7 @@ class Handler:
         self.restart = restart
         self.load_timeout = load_timeout
         self.max_batch = max_batch
-        self.compute_dtype = compute_dtype  # the talker's (None: its weights' dtype)
+        self.compute_dtype = compute_dtype  # as asked (None: its weights' dtype; "auto")
         self.name = f"{model}:{variant or 'default'}#{next(_ids)}"
         self.nice = 0  # the worker's niceness while it starts (set_nice changes it later)
         self.state = "stopped"  # starting | ready | draining | failed | stopped
@@ -163,6 +168,11 @@ class Handler:
     @property
     def variant(self) -> str | None:
         return self.info.get("variant", self.requested_variant)
+
+    @property
+    def loaded_compute_dtype(self) -> str | None:
+        """The dtype the worker's talker computes in ("auto" as the worker resolved it)."""
+        return self.info["compute_dtype"] if "compute_dtype" in self.info else self.compute_dtype
 
     @property
     def pid(self) -> int | None:

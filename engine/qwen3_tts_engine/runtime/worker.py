@@ -297,7 +297,6 @@ def worker_main(conn: Connection, spec: dict | None) -> None:
                               compute_dtype=spec.get("compute_dtype"))  # fmt: skip
         info = {
             "model": spec["model"], "variant": source.variant, "source": source.source,
-            "compute_dtype": spec.get("compute_dtype"),
             **details, **model_info(model),
             "quantized_modules": quantized_modules(model),
             # What the process memory is made of: weights by part, the KV cache a stream adds
