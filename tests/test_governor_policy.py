@@ -263,3 +263,32 @@ def test_footprints_break_a_worker_down_into_weights_runtime_and_kv():
     fp.observe("4bit", {"rss_bytes": 1000}, parts)  # at load: the worker's breakdown
     fp.observe("4bit", {"rss_bytes": 1200})  # while serving: the larger one, same weights
     assert fp.as_dict(["4bit"])["4bit"]["parts"]["runtime_bytes"] == 500
+
+
+async def test_the_governor_estimates_rungs_in_the_dtype_auto_resolved_to(tiny_checkpoint):
+    """A handler asked for `auto` (serve's default) reports what its worker computes in, and the
+    governor's weight estimates per rung are those of that dtype (float32 on a CPU)."""
+    from qwen3_tts_engine.governor.governor import Governor
+    from qwen3_tts_engine.governor.memory import ManualProbe
+    from qwen3_tts_engine.governor.policy import Policy
+    from qwen3_tts_engine.models.cpu_kernels import on_cpu
+    from qwen3_tts_engine.models.footprint import checkpoint_weight_bytes
+    from qwen3_tts_engine.runtime.engine import Engine
+    from qwen3_tts_engine.runtime.handler import Handler
+
+    path = tiny_checkpoint("custom_voice")
+    handler = Handler(str(path), "bf16", compute_dtype="auto")
+    engine = Engine(str(path), [handler])
+    governor = Governor(engine, ManualProbe(), Policy(ladder=("bf16", "4bit")), auto=False,
+                        allow_unevaluated=("all",))  # fmt: skip
+    await engine.start()
+    try:
+        await governor.start()
+        expected = "float32" if on_cpu() else None
+        assert handler.compute_dtype == "auto" and handler.loaded_compute_dtype == expected
+        assert governor.footprints.weight_bytes == checkpoint_weight_bytes(path, ["bf16", "4bit"], expected)
+        if expected:  # the cast shows in the estimate
+            assert governor.footprints.weight_bytes != checkpoint_weight_bytes(path, ["bf16", "4bit"])
+    finally:
+        await governor.stop()
+        await engine.stop()

@@ -79,11 +79,6 @@ class SpareWorker:
         child.close()
 
     @property
-    def loaded_compute_dtype(self) -> str | None:
-        """The dtype the worker's talker computes in ("auto" as the worker resolved it)."""
-        return self.info["compute_dtype"] if "compute_dtype" in self.info else self.compute_dtype
-
-    @property
     def pid(self) -> int | None:
         return self.proc.pid
 
