@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from livekit import rtc
-from livekit.agents import APIError, metrics
+from livekit.agents import APIConnectOptions, APIError, metrics
 from livekit.agents import stt as lk_stt
 from livekit.plugins import faster_whisper
 
@@ -42,6 +42,10 @@ SENTENCES = [
     "What is the fastest way to get from the airport to the city centre?",
 ]
 Kind = lk_stt.SpeechEventType
+# The real model's decodes get as long as they need: LiveKit's default 10 s per final would make
+# these tests depend on the machine (a busy CI host once took longer). What a final past its
+# timeout gives is tested on a held decoder below.
+UNHURRIED = APIConnectOptions(max_retry=0, timeout=600.0)
 _DIGITS = "zero one two three four five six seven eight nine ten".split()
 
 
@@ -145,7 +149,7 @@ async def sentence_runs(streaming_stt):
         speech = speech_samples(text, sample_rate=ROOM_RATE)
         audio = pad_silence(speech, ROOM_RATE, before=0.3, after=0.6)
         frames = frames_of(audio)
-        run = Run(streaming_stt.stream())
+        run = Run(streaming_stt.stream(conn_options=UNHURRIED))
         n_speech = round((0.3 + len(speech) / ROOM_RATE) * 1000 / FRAME_MS)
         await run.push_paced(frames[:n_speech])
         # the silence too: a pass it makes due ends before the flush (a flush during a pass is
@@ -153,7 +157,7 @@ async def sentence_runs(streaming_stt):
         await run.push_paced(frames[n_speech:])
         run.flush()
         await run.finish()
-        reference = (await streaming_stt.recognize(frames)).alternatives[0].text
+        reference = (await streaming_stt.recognize(frames, conn_options=UNHURRIED)).alternatives[0].text
         runs.append(SentenceRun(text, audio, run, reference))
     streaming_stt.off("metrics_collected", collected.append)
     return runs, collected
@@ -226,7 +230,7 @@ async def test_final_decodes_only_the_uncommitted_tail(streaming_stt):
     speech = speech_samples(text, sample_rate=ROOM_RATE)
     speech = speech[: np.flatnonzero(np.abs(speech) > 300)[-1]]  # ends while still voiced
     frames = frames_of(pad_silence(speech, ROOM_RATE, before=0.2))
-    run = Run(streaming_stt.stream())
+    run = Run(streaming_stt.stream(conn_options=UNHURRIED))
     await run.push_paced(frames[:-25])
     for frame in frames[-25:]:  # the last 0.5 s, flushed at once: no pass heard its end
         run.stream.push_frame(frame)
@@ -254,7 +258,7 @@ async def test_final_decodes_only_the_uncommitted_tail(streaming_stt):
 async def test_two_utterances_give_two_finals(streaming_stt):
     first = "Please book a table for four people tomorrow evening"
     second = "Could you tell me what the weather will be like in Paris"
-    run = Run(streaming_stt.stream())
+    run = Run(streaming_stt.stream(conn_options=UNHURRIED))
     for text in (first, second):
         speech = pad_silence(
             speech_samples(text, sample_rate=ROOM_RATE), ROOM_RATE, before=0.5, after=0.4
@@ -284,7 +288,7 @@ async def test_leading_silence_is_trimmed_and_a_flush_without_speech_gives_no_fi
     rng = np.random.default_rng(0)
     noise = rng.normal(0, 10, ROOM_RATE * 3).astype(np.int16)  # a quiet room: about -70 dBFS
     speech = speech_samples(SENTENCES[2], sample_rate=ROOM_RATE)
-    run = Run(streaming_stt.stream())
+    run = Run(streaming_stt.stream(conn_options=UNHURRIED))
     for frame in frames_of(noise[: ROOM_RATE // 2]):
         run.stream.push_frame(frame)
     run.flush()  # nothing said yet: usage only
@@ -325,7 +329,7 @@ async def test_a_short_encoder_context_transcribes_as_the_full_one(streaming_stt
     short = faster_whisper.STT(model="bundled", streaming=True, encoder_context=15.0)
     errors = words = 0
     for s in runs:
-        run = Run(short.stream())
+        run = Run(short.stream(conn_options=UNHURRIED))
         await run.push_paced(frames_of(s.audio))
         run.flush()
         await run.finish()
@@ -349,7 +353,7 @@ async def test_the_stream_ends_an_utterance_heard_in_full_after_its_silence(stre
     runs = {}
     for after in (0.3, None):
         stt = faster_whisper.STT(model="bundled", streaming=True, final_after_silence=after)
-        run = runs[after] = Run(stt.stream())
+        run = runs[after] = Run(stt.stream(conn_options=UNHURRIED))
         await run.push_paced(frames)
         await wait_until(lambda run=run: run.idle, "the stream to be idle")
         run.flush()
@@ -487,6 +491,41 @@ async def test_a_flush_during_a_pass_gets_its_interim_then_one_final(scripted):
     assert after == [Kind.INTERIM_TRANSCRIPT, Kind.FINAL_TRANSCRIPT, Kind.END_OF_SPEECH,
                      Kind.RECOGNITION_USAGE], after  # fmt: skip
     assert scripted.most_running == 1 and len(scripted.windows) <= 2
+
+
+async def test_a_final_past_conn_timeout_carries_the_words_heard_and_the_stream_goes_on(scripted):
+    """A host too busy to finish the final pass within `conn_options.timeout`: the turn is not
+    lost. The final carries the words the interim passes heard, marked `timed_out`, no error is
+    raised, and the next utterance of the same stream is transcribed as usual. (The pass is
+    held until the test releases it, so the timeout fires at any machine speed; the passes that
+    are not held return at once, far inside the 5 s.)"""
+    stt = faster_whisper.STT(model="bundled", streaming=True)
+    run = Run(stt.stream(conn_options=APIConnectOptions(max_retry=0, timeout=5.0)))
+    await run.push_paced(frames_of(tone(2.2)))  # passes run freely: interim words
+    heard = run.stream._tracker.committed + run.stream._tracker.tentative
+    assert heard, "no interim pass ran"
+    scripted.release.clear()
+    passes = len(scripted.windows)
+    for frame in frames_of(tone(0.6)):  # more speech: a pass (held) or the final pass must hear it
+        run.stream.push_frame(frame)
+    run.flush()
+    await wait_until(lambda: len(scripted.windows) > passes, "a held pass")
+    await wait_until(lambda: len(run.stream.stats.utterances) == 1, "the timed-out final")
+    (result,) = run.stream.stats.utterances
+    assert result.timed_out and not result.reused_pass
+    final = next(e for e in run.events if e.type == Kind.FINAL_TRANSCRIPT)
+    assert final.alternatives[0].text == agreement.words_text(heard)
+    scripted.release.set()
+    await wait_until(lambda: scripted.running == 0, "the held pass to return")
+
+    second = pad_silence(tone(1.2), ROOM_RATE, before=0.3)
+    await run.push_paced(frames_of(second))
+    run.flush()
+    await run.finish()
+    assert [r.timed_out for r in run.stream.stats.utterances] == [True, False]
+    finals = [e for e in run.events if e.type == Kind.FINAL_TRANSCRIPT]
+    assert len(finals) == 2 and finals[1].alternatives[0].text
+    assert Kind.END_OF_SPEECH in run.kinds(run.events[run.flushes[1] :])
 
 
 async def test_closing_mid_decode_does_not_hang(scripted):

@@ -117,6 +117,8 @@ class UtteranceResult:
     final_decoded: float
     """Seconds of audio decoded after the flush (0 when the last interim pass was reused)."""
     reused_pass: bool
+    timed_out: bool = False
+    """The final pass did not end within the stream's timeout: these are the interims' words."""
 
     @property
     def text(self) -> str:
@@ -295,13 +297,14 @@ class UtteranceTracker:
         return window
 
     def finish(
-        self, window: Window | None = None, words: Sequence[Word] = ()
+        self, window: Window | None = None, words: Sequence[Word] = (), *, timed_out: bool = False
     ) -> UtteranceResult | None:
-        """Close the utterance (after a flush) with the final pass's words, if one was run."""
+        """Close the utterance (after a flush) with the final pass's words, if one was run;
+        `timed_out`: no final pass came back in time, the words are those the passes heard."""
         if not self.active:
             return None
         committed_at_flush = len(self.committed)
-        reused = window is None and self._passes > 0 and self._heard_all
+        reused = window is None and not timed_out and self._passes > 0 and self._heard_all
         if window is not None:
             self.apply(window, words)
         all_words = self.committed + self.tentative
@@ -313,6 +316,7 @@ class UtteranceTracker:
             committed_at_flush=committed_at_flush,
             final_decoded=window.seconds if window is not None else 0.0,
             reused_pass=reused,
+            timed_out=timed_out,
         )
         self._drop_before(self._end)
         self._reset_utterance(active=False)

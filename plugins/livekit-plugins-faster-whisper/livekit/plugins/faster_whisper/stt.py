@@ -3,7 +3,8 @@
 Non-streaming, the framework's VAD `StreamAdapter` cuts the room audio into utterances and each
 is transcribed here whole. Streaming (`streaming=True`), `SpeechStream` transcribes the growing
 utterance while it is spoken and finishes it on the framework's flush (see `agreement.py`).
-What a turn waits for (a recognition, a stream's final) is bounded by `conn_options.timeout`.
+What a turn waits for (a recognition, a stream's final) is bounded by `conn_options.timeout`:
+a recognition past it raises APITimeoutError; a stream's final past it is the words heard so far.
 """
 
 from __future__ import annotations
@@ -293,7 +294,8 @@ class SpeechStream(stt.RecognizeStream):
     heard), END_OF_SPEECH, and RECOGNITION_USAGE for the audio received since the last one. A
     flush with no utterance reports usage only. A failed pass is raised at the next frame or
     flush. `stats` counts the passes and the decoded audio. The wait for a final (the running
-    pass, then the final pass) is bounded by `conn_options.timeout`: past it, APITimeoutError.
+    pass, then the final pass) is bounded by `conn_options.timeout`: past it, the final carries
+    the words the interim passes heard (`UtteranceResult.timed_out`), and the stream goes on.
     """
 
     def __init__(self, *, stt: STT, opts: _STTOptions, conn_options: APIConnectOptions) -> None:
@@ -390,7 +392,15 @@ class SpeechStream(stt.RecognizeStream):
                 words = await self._decode(window) if window is not None else []
             result = self._tracker.finish(window, words)
         except TimeoutError:
-            raise _timeout_error(self._conn_options) from None
+            # A host too busy to decode in time: the turn goes on with the words the passes
+            # already heard (what the interims showed) instead of losing the caller's turn.
+            # The decode given up on ends in its thread; its words are dropped.
+            result = self._tracker.finish(timed_out=True)
+            logger.warning(
+                "faster-whisper: the final of an utterance took longer than conn_options.timeout "
+                "(%g s); finishing it with the %d words heard so far",
+                self._conn_options.timeout, len(result.words) if result else 0,
+            )
         finally:
             self._flushing = False
 
