@@ -27,7 +27,7 @@ def _isolated_engine_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """Factory: tiny_checkpoint(variant="custom_voice", bits=None, seed=0, **kw) -> Path."""
-    from qwen3_tts_engine.testing.tiny_checkpoint import write_tiny_checkpoint
+    from qwen3_tts_engine.tiny_checkpoints.builder import write_tiny_checkpoint
 
     built: dict[tuple, Path] = {}
 
@@ -47,8 +47,8 @@ async def engine(tiny_checkpoint):
     """An in-process engine server (127.0.0.1, any port) on the tiny CustomVoice checkpoint whose
     utterances end by EOS, as a real model's do; one per test process (tests read its history
     from where they start, never from the beginning, and leave it serving)."""
-    from qwen3_tts_engine.runtime.engine import Engine
-    from qwen3_tts_engine.runtime.handler import Handler
+    from qwen3_tts_engine.dispatch.engine import Engine
+    from qwen3_tts_engine.dispatch.handler import Handler
     from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
     model = str(tiny_checkpoint("custom_voice", eos="text"))

@@ -48,10 +48,10 @@ def test_only_small_models_step_on_one_thread():
 
 def test_the_tiny_checkpoints_steps_evaluate_on_one_thread(openblas, tiny_checkpoint, monkeypatch):
     """Where the step's graph is evaluated (mx.eval, .item()), not only where it is built."""
-    from qwen3_tts_engine.models.loading import load
     from qwen3_tts_engine.models.variants import resolve
     from qwen3_tts_engine.protocol import SpeechRequest
     from qwen3_tts_engine.runtime import scheduler as sched
+    from qwen3_tts_engine.worker.loading import load
 
     model, _ = load(resolve(str(tiny_checkpoint("custom_voice"))), progress=False)
     s = sched.Scheduler(model, max_batch=2)

@@ -1,4 +1,4 @@
-"""The speech tokenizer on mlx's CPU backend (models/cpu_kernels.py): convolutions as matmuls
+"""The speech tokenizer on mlx's CPU backend (worker/cpu_kernels.py): convolutions as matmuls
 and Snake activations with a square give the same results as mlx-audio's modules on mlx's own
 kernels, module by module and for a whole decode of the tiny checkpoint's vocoder."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import DecoderOutputSnake, SnakeBeta
 
-from qwen3_tts_engine.models.cpu_kernels import (
+from qwen3_tts_engine.worker.cpu_kernels import (
     MatmulConv1d,
     MatmulConvTranspose1d,
     SquareDecoderOutputSnake,
@@ -18,7 +18,7 @@ from qwen3_tts_engine.models.cpu_kernels import (
     on_cpu,
     use_fast_cpu_kernels,
 )
-from qwen3_tts_engine.models.loading import load_checkpoint
+from qwen3_tts_engine.worker.loading import load_checkpoint
 
 
 def _both(module: nn.Module, x: mx.array) -> tuple[np.ndarray, np.ndarray]:
@@ -85,7 +85,7 @@ def test_the_loaded_vocoder_decodes_as_with_mlxs_kernels(tiny_checkpoint):
     """A loaded model's speech decoder computes with the matmul convolutions (its dilated
     residual units and transposed upsamplers among them) and the squaring Snakes; its audio for
     random codes equals the audio of the same decoder with mlx-audio's modules."""
-    from qwen3_tts_engine.runtime.vocoder import windowed_decode
+    from qwen3_tts_engine.worker.vocoder import windowed_decode
 
     model = load_checkpoint(tiny_checkpoint())
     decoder = model.speech_tokenizer.decoder

@@ -17,20 +17,20 @@ import httpx
 import numpy as np
 import pytest
 
-from qwen3_tts_engine.models.loading import (
+from qwen3_tts_engine.dispatch.engine import Engine
+from qwen3_tts_engine.dispatch.handler import Handler
+from qwen3_tts_engine.models.variants import resolve
+from qwen3_tts_engine.protocol import RequestError, SpeechRequest, parse_speech_request
+from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
+from qwen3_tts_engine.tiny_checkpoints.builder import write_tiny_checkpoint
+from qwen3_tts_engine.worker.loading import (
     apply_recipe,
     load,
     load_full_precision,
     quantized_modules,
 )
-from qwen3_tts_engine.models.variants import resolve
-from qwen3_tts_engine.protocol import RequestError, SpeechRequest, parse_speech_request
-from qwen3_tts_engine.runtime.engine import Engine
-from qwen3_tts_engine.runtime.handler import Handler
-from qwen3_tts_engine.runtime.synthesis import stream_chunks
-from qwen3_tts_engine.runtime.worker import _load_ref_audio
-from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
-from qwen3_tts_engine.testing.tiny_checkpoint import write_tiny_checkpoint
+from qwen3_tts_engine.worker.main import _load_ref_audio
+from qwen3_tts_engine.worker.synthesis import stream_chunks
 
 API_KEY = "claims-key-456"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

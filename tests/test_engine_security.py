@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from qwen3_tts_engine.runtime.engine import Engine
-from qwen3_tts_engine.runtime.handler import Handler
+from qwen3_tts_engine.dispatch.engine import Engine
+from qwen3_tts_engine.dispatch.handler import Handler
 from qwen3_tts_engine.serving.app import EngineServer, InsecureServerError, ServerConfig
 from qwen3_tts_engine.serving.auth import exposure_problem, is_loopback
 

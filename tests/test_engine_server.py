@@ -13,14 +13,15 @@ import wave
 import httpx
 import pytest
 
+from qwen3_tts_engine.dispatch.engine import Engine
+from qwen3_tts_engine.dispatch.handler import Handler
+from qwen3_tts_engine.messages import QueryMemory
 from qwen3_tts_engine.protocol import (
     FRAME_SAMPLES,
     HEADER_VARIANT,
     Limits,
     parse_speech_request,
 )
-from qwen3_tts_engine.runtime.engine import Engine
-from qwen3_tts_engine.runtime.handler import Handler
 from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
 pytestmark = pytest.mark.slow
@@ -133,7 +134,7 @@ async def test_a_paused_consumer_pauses_synthesis(server):
         await asyncio.sleep(0.01)
     assert unread.qsize() == 1  # the second chunk, made while the consumer held the first
     answered = handler.memory_reports
-    handler._conn.send(("memory",))
+    handler._conn.send(QueryMemory())
     for _ in range(6000):
         if handler.memory_reports > answered:
             break

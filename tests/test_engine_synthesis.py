@@ -8,11 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qwen3_tts_engine.models.loading import load
 from qwen3_tts_engine.models.variants import resolve
-from qwen3_tts_engine.protocol import FRAME_SAMPLES, SpeechRequest, default_max_new_tokens
-from qwen3_tts_engine.runtime.synthesis import (
-    SynthesisError,
+from qwen3_tts_engine.protocol import (
+    FRAME_SAMPLES,
+    RequestError,
+    SpeechRequest,
+    default_max_new_tokens,
+)
+from qwen3_tts_engine.worker.loading import load
+from qwen3_tts_engine.worker.synthesis import (
     SynthesisStats,
     one_shot_decode,
     stream_chunks,
@@ -106,13 +110,13 @@ def test_cancel_stops_within_one_chunk(model):
     [({"voice": "nobody"}, "unknown voice"), ({"task_type": "base"}, "task_type")],
 )
 def test_requests_the_model_cannot_serve(model, kw, match):
-    with pytest.raises(SynthesisError, match=match):
+    with pytest.raises(RequestError, match=match):
         list(stream_chunks(model, _req(input="x", max_new_tokens=2, **kw)))
 
 
 def test_voice_design_needs_instructions(tiny_checkpoint):
     m, _ = load(resolve(str(tiny_checkpoint("voice_design"))), progress=False)
-    with pytest.raises(SynthesisError, match="instructions"):
+    with pytest.raises(RequestError, match="instructions"):
         list(stream_chunks(m, SpeechRequest(input="x", max_new_tokens=2)))
     chunks = list(stream_chunks(m, SpeechRequest(input="Designed.", instructions="A deep voice.",
                                                  max_new_tokens=4)))  # fmt: skip

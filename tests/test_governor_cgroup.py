@@ -126,8 +126,8 @@ def _swap_line(rec: dict) -> str:
 
 def test_real_memory_pressure_makes_the_engine_step_down(tiny_checkpoint):
     """bf16 -> 4bit -> the bottom rung as the ballast grows, then one rung up once it is gone."""
-    from qwen3_tts_engine.models.loading import prepare
     from qwen3_tts_engine.models.variants import resolve
+    from qwen3_tts_engine.worker.loading import prepare
 
     cg = Cgroup.create(LIMIT)
     # Wide talker MLPs: 25 MB of bf16 weights that 4-bit quantization shrinks to 7 MB.

@@ -213,9 +213,10 @@ def test_weight_bytes_follow_the_recipe():
 def test_float32_compute_weight_bytes_match_the_loaded_talker(tiny_checkpoint):
     """With `compute_dtype="float32"` the governor's estimate of each rung grows by what the
     cast adds to the loaded talker (its non-embedding floats, quantized scales included)."""
-    from qwen3_tts_engine.models.footprint import checkpoint_weight_bytes, model_bytes
-    from qwen3_tts_engine.models.loading import load
+    from qwen3_tts_engine.models.footprint import checkpoint_weight_bytes
     from qwen3_tts_engine.models.variants import resolve
+    from qwen3_tts_engine.worker.loading import load
+    from qwen3_tts_engine.worker.measure import model_bytes
 
     path = tiny_checkpoint("custom_voice")
     for variant in ("bf16", "4bit"):
@@ -268,13 +269,13 @@ def test_footprints_break_a_worker_down_into_weights_runtime_and_kv():
 async def test_the_governor_estimates_rungs_in_the_dtype_auto_resolved_to(tiny_checkpoint):
     """A handler asked for `auto` (serve's default) reports what its worker computes in, and the
     governor's weight estimates per rung are those of that dtype (float32 on a CPU)."""
+    from qwen3_tts_engine.dispatch.engine import Engine
+    from qwen3_tts_engine.dispatch.handler import Handler
     from qwen3_tts_engine.governor.governor import Governor
     from qwen3_tts_engine.governor.memory import ManualProbe
     from qwen3_tts_engine.governor.policy import Policy
-    from qwen3_tts_engine.models.cpu_kernels import on_cpu
     from qwen3_tts_engine.models.footprint import checkpoint_weight_bytes
-    from qwen3_tts_engine.runtime.engine import Engine
-    from qwen3_tts_engine.runtime.handler import Handler
+    from qwen3_tts_engine.worker.cpu_kernels import on_cpu
 
     path = tiny_checkpoint("custom_voice")
     handler = Handler(str(path), "bf16", compute_dtype="auto")

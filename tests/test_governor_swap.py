@@ -13,18 +13,18 @@ import psutil
 import pytest
 
 from qwen3_tts_engine.cli import main as cli_main
+from qwen3_tts_engine.dispatch.engine import Engine
+from qwen3_tts_engine.dispatch.handler import Handler, Result
 from qwen3_tts_engine.governor.governor import Governor
 from qwen3_tts_engine.governor.memory import ManualProbe
 from qwen3_tts_engine.governor.policy import BREAK_BEFORE_MAKE, MAKE_BEFORE_BREAK, Policy
+from qwen3_tts_engine.priority import can_raise_priority, renice
 from qwen3_tts_engine.protocol import (
     FRAME_SAMPLES,
     HEADER_VARIANT,
     Limits,
     parse_speech_request,
 )
-from qwen3_tts_engine.runtime.engine import Engine
-from qwen3_tts_engine.runtime.handler import Handler, Result
-from qwen3_tts_engine.runtime.worker import can_raise_priority, renice
 from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
 pytestmark = pytest.mark.slow

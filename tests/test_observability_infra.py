@@ -511,11 +511,11 @@ async def engine_scrape(model: Path) -> tuple[str, dict[str, set[str]]]:
     names each of its metrics declares (family name -> labels)."""
     from prometheus_client.metrics import MetricWrapperBase
 
+    from qwen3_tts_engine.dispatch.engine import Engine
+    from qwen3_tts_engine.dispatch.handler import Handler
     from qwen3_tts_engine.governor.governor import Governor
     from qwen3_tts_engine.governor.memory import ManualProbe
     from qwen3_tts_engine.governor.policy import Policy
-    from qwen3_tts_engine.runtime.engine import Engine
-    from qwen3_tts_engine.runtime.handler import Handler
     from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
     probe = ManualProbe(limit_bytes=64 << 30, pressure=0.3)

@@ -11,7 +11,7 @@ from qwen3_tts_engine.protocol import (
     normalize_language,
     parse_speech_request,
 )
-from qwen3_tts_engine.runtime.ref_audio import resolve_ref_audio
+from qwen3_tts_engine.serving.ref_audio import resolve_ref_audio
 
 WAV_HEADER = b"RIFF\x24\x00\x00\x00WAVEfmt "
 

@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qwen3_tts_engine.models.components import COMPONENTS, component_paths, only
+from qwen3_tts_engine.models.components import COMPONENTS, only
 from qwen3_tts_engine.models.recipes import RECIPES, load_recipe
 from qwen3_tts_engine.protocol import SpeechRequest
 from qwen3_tts_engine.quant.candidates import Candidate, build, load_dir
 from qwen3_tts_engine.quant.evaluate import EvalSettings, Reference, evaluate
 from qwen3_tts_engine.quant.forced import _allowed_cb0, teacher_forced
 from qwen3_tts_engine.quant.free_running import generate_codes
+from qwen3_tts_engine.worker.loading import component_paths
 
 TEXTS = EvalSettings().texts
 SMALL = dict(texts=TEXTS[:3], seeds=(0,), max_new_tokens=12, language="english", n_boot=300)
@@ -126,7 +127,7 @@ def test_gptq_lowers_code_predictor_kl_versus_round_to_nearest(tiny_checkpoint):
 
 
 def test_quantize_cli_with_a_yaml_recipe_and_gptq_loads_and_streams(tiny_checkpoint, tmp_path):
-    from qwen3_tts_engine.runtime.synthesis import stream_chunks
+    from qwen3_tts_engine.worker.synthesis import stream_chunks
 
     recipe = tmp_path / "mixed.yaml"
     recipe.write_text(
@@ -339,11 +340,11 @@ def test_run_comparisons():
 
 
 def test_voice_design_checkpoints_are_evaluated_with_instructions(tiny_checkpoint):
-    from qwen3_tts_engine.runtime.synthesis import SynthesisError
+    from qwen3_tts_engine.protocol import RequestError
 
     model = tiny_checkpoint("voice_design")
     settings = EvalSettings(texts=TEXTS[:1], seeds=(0,), max_new_tokens=4, n_boot=100)
-    with pytest.raises(SynthesisError, match="needs `instructions`"):
+    with pytest.raises(RequestError, match="needs `instructions`"):
         evaluate(model, [Candidate("8bit", recipe=RECIPES["8bit"])], settings)
     settings.instructions = "A calm, low voice."
     report = evaluate(model, [Candidate("8bit", recipe=RECIPES["8bit"])], settings)

@@ -7,6 +7,8 @@ from dataclasses import replace
 import httpx
 import pytest
 
+from qwen3_tts_engine.dispatch.engine import Engine
+from qwen3_tts_engine.dispatch.handler import Handler
 from qwen3_tts_engine.governor import gate
 from qwen3_tts_engine.governor.governor import Governor
 from qwen3_tts_engine.governor.memory import ManualProbe
@@ -14,8 +16,6 @@ from qwen3_tts_engine.governor.policy import Policy
 from qwen3_tts_engine.models.recipes import RECIPES
 from qwen3_tts_engine.quant.candidates import Candidate
 from qwen3_tts_engine.quant.evaluate import EvalSettings, evaluate
-from qwen3_tts_engine.runtime.engine import Engine
-from qwen3_tts_engine.runtime.handler import Handler
 from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
 pytestmark = pytest.mark.slow

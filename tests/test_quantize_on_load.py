@@ -6,10 +6,10 @@ from pathlib import Path
 import mlx.nn as nn
 import pytest
 
-from qwen3_tts_engine.models.loading import load, quantized_modules
 from qwen3_tts_engine.models.variants import resolve
 from qwen3_tts_engine.protocol import SpeechRequest
-from qwen3_tts_engine.runtime.synthesis import stream_chunks
+from qwen3_tts_engine.worker.loading import load, quantized_modules
+from qwen3_tts_engine.worker.synthesis import stream_chunks
 
 LAYERS = 8  # talker layers; talker-mlp-w4 then covers layers 2..N-5 = 2..3
 

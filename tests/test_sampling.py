@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from qwen3_tts_engine.runtime.sampling import (
+from qwen3_tts_engine.worker.sampling import (
     BatchSampler,
     SamplingParams,
     frame_uniforms,

@@ -10,11 +10,11 @@ test compares audio too.
 import numpy as np
 import pytest
 
-from qwen3_tts_engine.models.loading import load
 from qwen3_tts_engine.models.variants import resolve
-from qwen3_tts_engine.protocol import FRAME_SAMPLES, SpeechRequest
-from qwen3_tts_engine.runtime.scheduler import Scheduler
-from qwen3_tts_engine.runtime.synthesis import SynthesisError, one_shot_decode, stream_chunks
+from qwen3_tts_engine.protocol import FRAME_SAMPLES, RequestError, SpeechRequest
+from qwen3_tts_engine.worker.loading import load
+from qwen3_tts_engine.worker.scheduler import Scheduler
+from qwen3_tts_engine.worker.synthesis import one_shot_decode, stream_chunks
 
 REQUESTS = {
     "a": dict(input="Hello there, how are you today?", seed=1),
@@ -95,8 +95,8 @@ def test_auto_compute_is_float32_on_the_cpu_backend_only(tiny_checkpoint):
     dtype on a GPU; the loader says which it used (the worker reports it, the governor reads it)."""
     import mlx.core as mx
 
-    from qwen3_tts_engine.models.cpu_kernels import on_cpu
-    from qwen3_tts_engine.models.loading import resolve_compute_dtype
+    from qwen3_tts_engine.worker.cpu_kernels import on_cpu
+    from qwen3_tts_engine.worker.loading import resolve_compute_dtype
 
     expected = "float32" if on_cpu() else None
     assert resolve_compute_dtype("auto") == expected
@@ -173,7 +173,7 @@ def test_max_batch_holds_the_rest_back(eos_model, solo):
 
 def test_a_bad_request_is_refused_and_a_failing_one_fails_alone(eos_model, solo):
     scheduler = Scheduler(eos_model)
-    with pytest.raises(SynthesisError, match="unknown voice"):
+    with pytest.raises(RequestError, match="unknown voice"):
         scheduler.add("x", SpeechRequest(input="Hi.", voice="nobody"))
     scheduler.add("a", _req(**REQUESTS["a"]), decode=False)
     broken = scheduler.add("bad", _req(input="Fine so far.", seed=5), decode=False)

@@ -41,7 +41,7 @@ SERVICE_WORDS = {"tts": "qwen3-tts", "llm": "mlx_lm.server"}  # in the service's
 @pytest.fixture(scope="module")
 def tiny_tts() -> Path:
     """The tiny checkpoint the offline demo uses, built before any demo runs."""
-    from qwen3_tts_engine import default_tiny_checkpoint
+    from qwen3_tts_engine.tiny_checkpoints import default_tiny_checkpoint
 
     return default_tiny_checkpoint()
 

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten  # noqa: E402
 from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import Qwen3TTSSpeechTokenizer  # noqa: E402
 from mlx_audio.tts.utils import load_model  # noqa: E402
 
-from qwen3_tts_engine.testing.tiny_checkpoint import (  # noqa: E402
+from qwen3_tts_engine.tiny_checkpoints.builder import (  # noqa: E402
     VARIANTS,
     tiny_config,
     write_tiny_checkpoint,

@@ -53,7 +53,7 @@ async def test_three_sentences_stream_in_order_with_ttfb(engines):
             handler = (await c.get("/v1/engine/status")).json()["handlers"][0]
         assert handler["last_stats"] and not handler["last_stats"]["hit_token_cap"]
         # `serve`'s default compute dtype (auto) as the worker resolved it: float32 on a CPU
-        from qwen3_tts_engine.models.cpu_kernels import on_cpu
+        from qwen3_tts_engine.worker.cpu_kernels import on_cpu
 
         assert handler["info"]["compute_dtype"] == ("float32" if on_cpu() else None)
         samples = [s.samples for s in stream.sentences]

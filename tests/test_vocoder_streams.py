@@ -1,4 +1,4 @@
-"""Per-stream vocoder state (runtime/vocoder.py): a stream equals the sliding-window one-shot
+"""Per-stream vocoder state (worker/vocoder.py): a stream equals the sliding-window one-shot
 decode, the window is applied and bounds the KV cache, streams sharing one decoder do not mix.
 
 mlx runs on pytest's main thread here (safe, see docs/mlx-on-linux.md).
@@ -12,10 +12,10 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import Qwen3TTSSpeechTokenizerDecoder
 
-from qwen3_tts_engine.models.loading import load
 from qwen3_tts_engine.models.variants import resolve
 from qwen3_tts_engine.runtime import vocoder
-from qwen3_tts_engine.runtime.vocoder import (
+from qwen3_tts_engine.worker.loading import load
+from qwen3_tts_engine.worker.vocoder import (
     decode_step,
     decode_steps,
     new_stream,

@@ -12,9 +12,9 @@ from livekit.plugins import qwen3_tts
 
 from livekit.plugins.qwen3_tts import protocol as client
 from qwen3_tts_engine import protocol as server
+from qwen3_tts_engine.dispatch.handler import HandlerError, QueueFull
 from qwen3_tts_engine.governor.memory import MemoryReading
 from qwen3_tts_engine.governor.policy import Policy
-from qwen3_tts_engine.runtime.handler import HandlerError, QueueFull, RequestRejected
 from qwen3_tts_engine.serving.errors import as_request_error
 
 SHARED = ("SAMPLE_RATE", "FRAME_RATE", "FRAME_SAMPLES", "CHUNK_FRAMES", "BYTES_PER_SAMPLE",
@@ -108,7 +108,7 @@ def test_the_status_fields_the_client_weighs():
 @pytest.mark.parametrize("err, status", [
     (server.RequestError("unknown voice 'x'", param="voice"), 400),
     (QueueFull("32 requests are already waiting"), 429),
-    (RequestRejected("cannot clone without a speech tokenizer encoder"), 400),
+    (server.RequestError("cannot clone without a speech tokenizer encoder", status=400), 400),
     (HandlerError("the TTS worker died"), 503),
 ])  # fmt: skip
 def test_error_bodies_the_plugin_reads(err, status):

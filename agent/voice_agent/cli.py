@@ -14,7 +14,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from .settings import (
+from voice_agent.settings import (
     KeeperSettings,
     Settings,
     WebSettings,
@@ -143,25 +143,25 @@ def _main(argv: list[str] | None = None) -> int:
         lk_argv, env = livekit_argv(args)
         os.environ.update(env)
         if args.command in ("start", "dev") and _metrics_port():
-            from .metrics_dir import use_multiprocess_dir
+            from voice_agent.metrics_dir import use_multiprocess_dir
 
             use_multiprocess_dir()  # before livekit.agents imports prometheus_client
-        from .worker import run_worker
+        from voice_agent.worker import run_worker
 
         return run_worker(lk_argv)
     if args.command == "settings":
         print(markdown_table())
         return 0
     if args.command == "web":
-        from .web_client import run_web
+        from voice_agent.web_client import run_web
 
         return run_web(from_args(args, WebSettings))
     if args.command == "keeper":
-        from .keeper import run_keeper
+        from voice_agent.keeper import run_keeper
 
         return run_keeper(from_args(args, KeeperSettings))
     if args.command == "bench" and args.suite == "soak":
-        from .soak import parse_faults, run_soak
+        from voice_agent.soak import parse_faults, run_soak
 
         try:
             faults = parse_faults(args.faults)
@@ -177,14 +177,14 @@ def _main(argv: list[str] | None = None) -> int:
         except (RuntimeError, TimeoutError, FileNotFoundError) as e:
             print(f"voice-agent: error: {e}", file=sys.stderr)
             return 1
-    from .demo import TurnAudioError, run_demo
-    from .local_services import resolve_offline
+    from voice_agent.demo import TurnAudioError, run_demo
+    from voice_agent.local_services import resolve_offline
 
     settings = resolve_offline(from_args(args))
 
     try:
         if args.command == "bench":
-            from .bench import run_bench
+            from voice_agent.bench import run_bench
 
             return run_bench(settings, args.turns, args.paused_turns, args.tts_requests, args.out)
         return run_demo(settings, args.wav, args.out, args.json)

@@ -21,9 +21,9 @@ from livekit.agents import (
 )
 from livekit.agents.voice.agent_session import SessionConnectOptions
 
-from .observability import APOLOGIES
-from .settings import Settings
-from .turn_rules import RuleTurnDetector
+from voice_agent.observability import APOLOGIES
+from voice_agent.settings import Settings
+from voice_agent.turn_rules import RuleTurnDetector
 
 logger = logging.getLogger("voice_agent")
 APOLOGY = "Sorry, I can't think right now. Please try again in a moment."

@@ -37,7 +37,7 @@ import aiohttp
 from aiohttp import web
 from livekit import api
 
-from .settings import WebSettings, problem
+from voice_agent.settings import WebSettings, problem
 
 logger = logging.getLogger("voice_agent.web")
 WEB_DIR = Path(__file__).resolve().parent / "web"

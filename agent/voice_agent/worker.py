@@ -24,13 +24,12 @@ from livekit.agents.voice.room_io import RoomOptions
 from livekit.agents.worker import _DefaultLoadCalc
 
 from livekit.plugins.qwen3_tts import EngineLoad
-
-from .local_services import LocalService, ensure_llm, ensure_tts_engine, resolve_offline
-from .observability import TurnMetrics, tracer_provider_from_env
-from .pipeline import VoiceAgent, build_session, build_stt, build_vad
-from .recovery import CallRecord, chat_context, is_resume_dispatch
-from .settings import Settings, parse_dtmf_actions
-from .telephony import PhoneCall, PhoneCaller
+from voice_agent.local_services import LocalService, ensure_llm, ensure_tts_engine, resolve_offline
+from voice_agent.observability import TurnMetrics, tracer_provider_from_env
+from voice_agent.pipeline import VoiceAgent, build_session, build_stt, build_vad
+from voice_agent.recovery import CallRecord, chat_context, is_resume_dispatch
+from voice_agent.settings import Settings, parse_dtmf_actions
+from voice_agent.telephony import PhoneCall, PhoneCaller
 
 logger = logging.getLogger("voice_agent")
 STALE_AFTER_S = 5.0  # no engine status for this long: the engine counts as saturated

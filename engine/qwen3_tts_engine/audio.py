@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .protocol import SAMPLE_RATE, STREAMED_FORMATS
+from qwen3_tts_engine.protocol import SAMPLE_RATE, STREAMED_FORMATS
 
 
 def pcm16(audio: np.ndarray) -> bytes:

@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from .audio import pcm16, write_wav
-from .protocol import (
+from qwen3_tts_engine.audio import pcm16, write_wav
+from qwen3_tts_engine.protocol import (
     COMPUTE_CHOICES,
     DEFAULT_MAX_BATCH,
     SAMPLE_RATE,
@@ -28,8 +28,8 @@ from .protocol import (
     compute_dtype_option,
     normalize_language,
 )
-from .serving.auth import API_KEY_ENV, OPERATOR_KEY_ENV, bearer_header
-from .testing import TINY_WARNING, default_tiny_checkpoint
+from qwen3_tts_engine.serving.auth import API_KEY_ENV, OPERATOR_KEY_ENV, bearer_header
+from qwen3_tts_engine.tiny_checkpoints import TINY_WARNING, default_tiny_checkpoint
 
 
 def _need_mlx() -> None:
@@ -45,7 +45,7 @@ def _need_mlx() -> None:
 
 def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
     _need_mlx()
-    from qwen3_tts_engine.testing.tiny_checkpoint import write_tiny_checkpoint
+    from qwen3_tts_engine.tiny_checkpoints.builder import write_tiny_checkpoint
 
     t0 = time.perf_counter()
     out = write_tiny_checkpoint(args.out, variant=args.variant, bits=args.bits, seed=args.seed,
@@ -59,51 +59,44 @@ def cmd_tiny_checkpoint(args: argparse.Namespace) -> int:
 # -- serve ------------------------------------------------------------------------------------
 
 
-def _policy(args: argparse.Namespace):
+def engine_config(args: argparse.Namespace):
+    """The `EngineConfig` that `serve`'s flags describe."""
+    from qwen3_tts_engine.config import EngineConfig, GovernorConfig
+    from qwen3_tts_engine.governor.budget import load_budget
     from qwen3_tts_engine.governor.policy import Policy
+    from qwen3_tts_engine.protocol import Limits
+    from qwen3_tts_engine.serving.app import ServerConfig
 
     ladder = tuple(v.strip() for v in args.ladder.split(",") if v.strip())
-    return Policy(ladder=ladder, downgrade_at=args.downgrade_at, upgrade_at=args.upgrade_at,
-                  downgrade_hold_s=args.downgrade_hold, upgrade_hold_s=args.upgrade_hold,
-                  cooldown_s=args.cooldown, critical_at=args.critical_at, mode=args.swap_mode)  # fmt: skip
-
-
-def build_server(args: argparse.Namespace):
-    from qwen3_tts_engine.governor.budget import load_budget
-    from qwen3_tts_engine.governor.governor import Governor
-    from qwen3_tts_engine.governor.memory import detect_probe
-    from qwen3_tts_engine.runtime.engine import Engine
-    from qwen3_tts_engine.runtime.handler import Handler
-    from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
-
-    from .protocol import Limits
-
-    model = args.model or str(default_tiny_checkpoint())
-    policy = _policy(args)
-    # An explicit ladder without --variant starts at its top; otherwise the model's default.
-    variants = args.variant or ([policy.ladder[0]] if args.ladder_given else [None])
-    handlers = [Handler(model, v, max_queue=args.max_queue, max_batch=args.max_batch,
-                        compute_dtype=compute_dtype_option(args.compute_dtype)) for v in variants]  # fmt: skip
-    config = ServerConfig(
+    policy = Policy(ladder=ladder, downgrade_at=args.downgrade_at, upgrade_at=args.upgrade_at,
+                    downgrade_hold_s=args.downgrade_hold, upgrade_hold_s=args.upgrade_hold,
+                    cooldown_s=args.cooldown, critical_at=args.critical_at, mode=args.swap_mode)  # fmt: skip
+    server = ServerConfig(
         host=args.host, port=args.port, api_key=os.environ.get(API_KEY_ENV) or None,
         operator_key=os.environ.get(OPERATOR_KEY_ENV) or None, insecure_no_auth=args.insecure_no_auth,
         ref_audio_dir=Path(args.ref_audio_dir) if args.ref_audio_dir else None,
         limits=Limits(max_input_chars=args.max_input_chars), max_queue=args.max_queue,
     )  # fmt: skip
-    config.voice_aliases.update(args.voice_alias or {})
-    engine = Engine(model, handlers)
-    governor = Governor(engine, detect_probe(args.memory_source), policy,
-                        interval_s=args.governor_interval, drain_deadline_s=args.drain_deadline,
-                        auto=not args.no_governor,
-                        allow_unevaluated=[v.strip() for v in (args.allow_unevaluated or "").split(",") if v.strip()],
-                        quality_budget=load_budget(Path(args.quality_budget)) if args.quality_budget else None,
-                        quality_min_items=args.quality_min_items,
-                        spare_worker=args.spare_worker)  # fmt: skip
-    return EngineServer(engine, config, governor)
+    server.voice_aliases.update(args.voice_alias or {})
+    governor = GovernorConfig(
+        policy, memory_source=args.memory_source, interval_s=args.governor_interval,
+        drain_deadline_s=args.drain_deadline, auto=not args.no_governor,
+        allow_unevaluated=[v.strip() for v in (args.allow_unevaluated or "").split(",") if v.strip()],
+        quality_budget=load_budget(Path(args.quality_budget)) if args.quality_budget else None,
+        quality_min_items=args.quality_min_items, spare_worker=args.spare_worker,
+    )  # fmt: skip
+    return EngineConfig(
+        model=args.model or str(default_tiny_checkpoint()),
+        # An explicit ladder without --variant starts at its top; otherwise the model's default.
+        variants=args.variant or ([policy.ladder[0]] if args.ladder_given else [None]),
+        max_batch=args.max_batch, max_queue=args.max_queue,
+        compute_dtype=compute_dtype_option(args.compute_dtype), server=server, governor=governor,
+    )  # fmt: skip
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     _need_mlx()
+    from qwen3_tts_engine.config import build_server
     from qwen3_tts_engine.serving.app import InsecureServerError, serve_forever
     from qwen3_tts_engine.serving.auth import exposure_problem
 
@@ -114,7 +107,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.model:
         print(TINY_WARNING, file=sys.stderr)
     try:
-        asyncio.run(serve_forever(build_server(args)))
+        asyncio.run(serve_forever(build_server(engine_config(args))))
     except KeyboardInterrupt:
         pass
     except InsecureServerError as e:
@@ -175,14 +168,14 @@ def _say_local(args: argparse.Namespace, req: SpeechRequest) -> tuple[dict, byte
     """In-process synthesis (mlx on this main thread)."""
     _need_mlx()
 
-    from qwen3_tts_engine.models.loading import load
     from qwen3_tts_engine.models.variants import resolve
-    from qwen3_tts_engine.runtime.synthesis import SynthesisStats, model_info, stream_chunks
+    from qwen3_tts_engine.worker.loading import describe, load
+    from qwen3_tts_engine.worker.synthesis import SynthesisStats, stream_chunks
 
     source = resolve(args.model or str(default_tiny_checkpoint()), args.variant)
     model, details = load(source, progress=True)
-    if req.voice is None and model_info(model)["voices"]:
-        req.voice = model_info(model)["voices"][0]
+    if req.voice is None and (voices := describe(model)["voices"]):
+        req.voice = voices[0]
     stats = SynthesisStats()
     pcm, chunks, first = [], [], None
     t0 = time.perf_counter()
@@ -199,7 +192,7 @@ def _say_local(args: argparse.Namespace, req: SpeechRequest) -> tuple[dict, byte
 def _say_remote(args: argparse.Namespace, req: SpeechRequest) -> tuple[dict, bytes]:
     import httpx
 
-    from .protocol import HEADER_VARIANT
+    from qwen3_tts_engine.protocol import HEADER_VARIANT
 
     body = {k: v for k, v in req.to_dict().items() if v is not None}
     body.update(stream=True, response_format="pcm")
@@ -253,7 +246,7 @@ def cmd_say(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     _need_mlx()
-    from .demo import run_demo
+    from qwen3_tts_engine.demo import run_demo
 
     return run_demo(args)
 

@@ -14,15 +14,13 @@ from pathlib import Path
 
 import httpx
 
-from qwen3_tts_engine.runtime.engine import Engine
-from qwen3_tts_engine.runtime.handler import Handler
-from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
-
-from .protocol import HEADER_VARIANT, SAMPLE_RATE
+from qwen3_tts_engine.config import EngineConfig, build_server
+from qwen3_tts_engine.protocol import HEADER_VARIANT, SAMPLE_RATE
+from qwen3_tts_engine.serving.app import ServerConfig
 
 
 async def _demo(model: str, text: str, out: Path, max_new_tokens: int | None) -> dict:
-    server = EngineServer(Engine(model, [Handler(model)]), ServerConfig(port=0))
+    server = build_server(EngineConfig(model, server=ServerConfig(port=0)))
     t0 = time.perf_counter()
     print(f"starting the engine server ({model}) ...", file=sys.stderr)
     await server.start()
@@ -49,7 +47,7 @@ async def _demo(model: str, text: str, out: Path, max_new_tokens: int | None) ->
         total = time.perf_counter() - t1
     finally:
         await server.stop()
-    from .audio import write_wav
+    from qwen3_tts_engine.audio import write_wav
 
     write_wav(out, bytes(pcm))
     audio_s = len(pcm) / 2 / SAMPLE_RATE
@@ -62,7 +60,7 @@ async def _demo(model: str, text: str, out: Path, max_new_tokens: int | None) ->
 
 
 def run_demo(args) -> int:
-    from .testing import TINY_WARNING, default_tiny_checkpoint
+    from qwen3_tts_engine.tiny_checkpoints import TINY_WARNING, default_tiny_checkpoint
 
     model, max_new_tokens = args.model, args.max_new_tokens
     if not model:

@@ -26,7 +26,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from qwen3_tts_engine.config import EngineConfig, build_server
 from qwen3_tts_engine.protocol import FRAME_RATE, SpeechRequest, compute_dtype_option
+from qwen3_tts_engine.serving.app import ServerConfig
 
 TEXTS = [
     "Streaming speech, four frames at a time.",
@@ -59,7 +61,7 @@ def _level(model, reqs: list[SpeechRequest], *, batch: int, decode: bool) -> dic
     """Run `reqs` (all admitted at t=0) through one scheduler of `batch` rows."""
     import mlx.core as mx
 
-    from qwen3_tts_engine.runtime.scheduler import Scheduler
+    from qwen3_tts_engine.worker.scheduler import Scheduler
 
     scheduler = Scheduler(model, max_batch=batch)
     mx.clear_cache()
@@ -130,8 +132,8 @@ def _collect(runs: list[dict]) -> dict:
 
 def _in_process(model_path: str, levels: list[int], frames: int, repeats: int,
                 compute_dtype: str | None, codes_only: bool = False) -> dict:  # fmt: skip
-    from qwen3_tts_engine.models.loading import load
     from qwen3_tts_engine.models.variants import resolve
+    from qwen3_tts_engine.worker.loading import load
 
     model, _ = load(resolve(model_path), progress=False, compute_dtype=compute_dtype)
     voice = sorted(model.config.talker_config.spk_id or {})[0] if model.config.talker_config.spk_id else None
@@ -182,12 +184,8 @@ async def _http_stream(client: httpx.AsyncClient, url: str, body: dict, t0: floa
 
 async def _http(model_path: str, levels: list[int], frames: int, repeats: int,
                 compute_dtype: str | None) -> tuple[dict, str | None]:  # fmt: skip
-    from qwen3_tts_engine.runtime.engine import Engine
-    from qwen3_tts_engine.runtime.handler import Handler
-    from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
-
-    handler = Handler(model_path, max_batch=max(levels), compute_dtype=compute_dtype)
-    server = EngineServer(Engine(model_path, [handler]), ServerConfig(port=0))
+    server = build_server(EngineConfig(model_path, max_batch=max(levels), compute_dtype=compute_dtype,
+                                       server=ServerConfig(port=0)))  # fmt: skip
     await server.start()
     url = f"http://127.0.0.1:{server.port}/v1/audio/speech"
     voice = (server.engine.active.info["voices"] or [None])[0]
@@ -227,8 +225,9 @@ def _ratios(path: dict) -> dict:
 
 
 def run_concurrency_bench(args) -> int:
-    from qwen3_tts_engine.models.loading import cache_root, resolve_compute_dtype
-    from qwen3_tts_engine.testing.tiny_checkpoint import write_tiny_checkpoint
+    from qwen3_tts_engine.models.checkpoints import cache_root
+    from qwen3_tts_engine.tiny_checkpoints.builder import write_tiny_checkpoint
+    from qwen3_tts_engine.worker.loading import resolve_compute_dtype
 
     model = args.model
     if args.real_size and model:

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import httpx
 
+from qwen3_tts_engine.config import EngineConfig, build_server
+from qwen3_tts_engine.dispatch.handler import Handler, Result
 from qwen3_tts_engine.log import logger
 from qwen3_tts_engine.protocol import FRAME_SAMPLES, SAMPLE_RATE, SpeechRequest
-from qwen3_tts_engine.runtime.engine import Engine
-from qwen3_tts_engine.runtime.handler import Handler, Result
-from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
+from qwen3_tts_engine.serving.app import ServerConfig
 
 TEXT = "Streaming speech, four frames at a time, as fast as the machine allows."
 
@@ -72,7 +72,7 @@ def _direct_first_audio(model: str, repeats: int, frames: int, queue) -> None:
     import mlx.core as mx
     from mlx_audio.tts.utils import load_model
 
-    from qwen3_tts_engine.models.cpu_kernels import on_cpu, use_fast_cpu_kernels
+    from qwen3_tts_engine.worker.cpu_kernels import on_cpu, use_fast_cpu_kernels
 
     with contextlib.redirect_stdout(sys.stderr):  # mlx-audio prints while loading: keep stdout JSON
         m = load_model(Path(model))
@@ -103,7 +103,7 @@ async def _http_first_audio(url: str, body: dict) -> float:
 
 
 async def _server_numbers(model: str, repeats: int, frames: int, clients_levels) -> dict:
-    server = EngineServer(Engine(model, [Handler(model)]), ServerConfig(port=0))
+    server = build_server(EngineConfig(model, server=ServerConfig(port=0)))
     await server.start()
     url = f"http://127.0.0.1:{server.port}/v1/audio/speech"
     voice = (server.engine.active.info["voices"] or [None])[0]
@@ -131,8 +131,8 @@ def real_size_weight_bytes(recipe_name: str) -> dict:
     from mlx.utils import tree_flatten
     from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
 
-    from qwen3_tts_engine.models.loading import apply_recipe
     from qwen3_tts_engine.models.recipes import get_recipe
+    from qwen3_tts_engine.worker.loading import apply_recipe
 
     model = Model(ModelConfig.from_dict({"tts_model_type": "custom_voice", "tts_model_size": "0b6"}))
     model.set_dtype(mx.bfloat16)
@@ -158,8 +158,8 @@ def _in_child(target, *args):
 
 
 def run_bench(args) -> int:
-    from qwen3_tts_engine.models.loading import cache_root
-    from qwen3_tts_engine.testing.tiny_checkpoint import write_tiny_checkpoint
+    from qwen3_tts_engine.models.checkpoints import cache_root
+    from qwen3_tts_engine.tiny_checkpoints.builder import write_tiny_checkpoint
 
     if args.model:
         model = args.model
@@ -186,7 +186,7 @@ def run_bench(args) -> int:
     report["overhead_ratio"] = server["http_first_audio_s"]["p50"] / statistics.median(direct)
 
     if args.real_size_memory:
-        from .memory import run_memory_bench
+        from qwen3_tts_engine.bench.memory import run_memory_bench
 
         report["real_0_6b_weight_bytes"] = {}
         for v in variants:

@@ -18,11 +18,10 @@ from pathlib import Path
 import httpx
 
 from qwen3_tts_engine.audio import AudioEncoder, encode_whole
+from qwen3_tts_engine.config import EngineConfig, build_server
 from qwen3_tts_engine.protocol import CHUNK_FRAMES, CONTENT_TYPES, FRAME_SAMPLES, STREAMED_FORMATS
-from qwen3_tts_engine.runtime.engine import Engine
-from qwen3_tts_engine.runtime.handler import Handler
-from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
-from qwen3_tts_engine.testing import default_tiny_checkpoint
+from qwen3_tts_engine.serving.app import ServerConfig
+from qwen3_tts_engine.tiny_checkpoints import default_tiny_checkpoint
 
 TEXT = "The quick brown fox jumps over the lazy dog."
 CHUNK_BYTES = CHUNK_FRAMES * FRAME_SAMPLES * 2
@@ -54,7 +53,7 @@ def _encode_costs(pcm: bytes, fmt: str) -> list[float]:
 
 
 async def _measure(model: str, frames: int, repeats: int) -> dict:
-    server = EngineServer(Engine(model, [Handler(model)]), ServerConfig(port=0))
+    server = build_server(EngineConfig(model, server=ServerConfig(port=0)))
     await server.start()
     url = f"http://127.0.0.1:{server.port}/v1/audio/speech"
     voice = (server.engine.active.info["voices"] or [None])[0]

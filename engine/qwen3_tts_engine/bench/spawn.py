@@ -14,11 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from qwen3_tts_engine.runtime.handler import Handler
-from qwen3_tts_engine.testing import default_tiny_checkpoint
+from qwen3_tts_engine.dispatch.handler import Handler
+from qwen3_tts_engine.tiny_checkpoints import default_tiny_checkpoint
 
-_IMPORT = ("import sys, time; t = time.perf_counter(); import qwen3_tts_engine.runtime.worker; "
-           "import qwen3_tts_engine.runtime.synthesis, qwen3_tts_engine.models.loading; "
+_IMPORT = ("import sys, time; t = time.perf_counter(); import qwen3_tts_engine.worker.main; "
+           "import qwen3_tts_engine.worker.synthesis, qwen3_tts_engine.worker.loading; "
            "print(time.perf_counter() - t, len(sys.modules), "
            "any(m.split('.')[0] == 'livekit' for m in sys.modules))")  # fmt: skip
 

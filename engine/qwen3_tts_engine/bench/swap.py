@@ -19,13 +19,14 @@ from pathlib import Path
 
 import httpx
 
+from qwen3_tts_engine.config import EngineConfig, GovernorConfig, build_server
+from qwen3_tts_engine.dispatch.engine import Engine
+from qwen3_tts_engine.dispatch.handler import Handler
 from qwen3_tts_engine.governor.governor import LOADING_NICE, Governor, SwapRecord
 from qwen3_tts_engine.governor.memory import ManualProbe
 from qwen3_tts_engine.governor.policy import BREAK_BEFORE_MAKE, MAKE_BEFORE_BREAK, Policy
 from qwen3_tts_engine.protocol import CHUNK_FRAMES, FRAME_SAMPLES, HEADER_VARIANT
-from qwen3_tts_engine.runtime.engine import Engine
-from qwen3_tts_engine.runtime.handler import Handler
-from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
+from qwen3_tts_engine.serving.app import ServerConfig
 
 LONG_FRAMES = 48  # the utterance that is speaking while the swap happens (12 chunks, ~2 s of
 # synthesis here: it overlaps the new worker's start-up, load and warm-up)
@@ -145,11 +146,12 @@ def _timing(rec: SwapRecord, plain_load_s: float) -> dict:
 
 async def _mode(model: str, mode: str, plain: dict[str, float], loading_nice: int = LOADING_NICE,
                 idle_reference: bool = False, spare_worker: bool = False) -> dict:  # fmt: skip
-    engine = Engine(model, [Handler(model, "bf16")])
-    gov = Governor(engine, ManualProbe(), Policy(ladder=("bf16", "8bit")), auto=False,
-                   allow_unevaluated=("all",), spare_worker=spare_worker)  # swaps, not quality
+    governor = GovernorConfig(Policy(ladder=("bf16", "8bit")), probe=ManualProbe(), auto=False,
+                              allow_unevaluated=("all",), spare_worker=spare_worker)  # swaps, not quality
+    server = build_server(EngineConfig(model, variants=("bf16",), server=ServerConfig(port=0),
+                                       governor=governor))  # fmt: skip
+    gov, engine = server.governor, server.engine
     gov.loading_nice = loading_nice
-    server = EngineServer(engine, ServerConfig(port=0), gov)
     await server.start()
     if gov._spare is not None:  # its start-up is not part of what is measured
         await asyncio.to_thread(gov._spare.wait_ready, 120)
@@ -234,8 +236,8 @@ def run_swap_bench(args) -> int:
 
 
 def _model(path: str | None) -> str:
-    from qwen3_tts_engine.models.loading import cache_root
-    from qwen3_tts_engine.testing.tiny_checkpoint import write_tiny_checkpoint
+    from qwen3_tts_engine.models.checkpoints import cache_root
+    from qwen3_tts_engine.tiny_checkpoints.builder import write_tiny_checkpoint
 
     model = path or str(cache_root() / "tiny" / "custom_voice-8layers-seed0")
     if not path and not (Path(model) / "config.json").is_file():

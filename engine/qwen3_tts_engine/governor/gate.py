@@ -13,7 +13,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from qwen3_tts_engine.models.loading import cache_root, recipe_digest, source_digest
+from qwen3_tts_engine.models.checkpoints import cache_root, recipe_digest, source_digest
 from qwen3_tts_engine.models.recipes import Recipe, get_recipe
 
 
@@ -73,7 +73,7 @@ def lookup(model: str | Path, recipe: Recipe) -> dict | None:
 def verdict_failures(verdict: dict, budget: dict | None, min_items: int) -> list[str]:
     """Why a stored verdict does not pass here: its own failures, the engine's budget (which may
     be stricter than the one it was evaluated with), or too few evaluated items."""
-    from .budget import evaluate_budget
+    from qwen3_tts_engine.governor.budget import evaluate_budget
 
     failures = list(verdict["failures"])
     if budget is not None:

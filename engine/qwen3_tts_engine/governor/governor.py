@@ -17,15 +17,11 @@ from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from qwen3_tts_engine.log import logger
-from qwen3_tts_engine.models.footprint import Footprints, checkpoint_weight_bytes
-from qwen3_tts_engine.models.recipes import RECIPES, get_recipe
-from qwen3_tts_engine.models.variants import resolve
-from qwen3_tts_engine.runtime.engine import Engine
-from qwen3_tts_engine.runtime.handler import Handler, HandlerError, SpareWorker
-
-from .memory import MemoryProbe, MemoryReading, detect_probe
-from .policy import (
+from qwen3_tts_engine.dispatch.engine import Engine
+from qwen3_tts_engine.dispatch.handler import Handler, HandlerError
+from qwen3_tts_engine.dispatch.spare import SpareWorker
+from qwen3_tts_engine.governor.memory import MemoryProbe, MemoryReading, detect_probe
+from qwen3_tts_engine.governor.policy import (
     BREAK_BEFORE_MAKE,
     MAKE_BEFORE_BREAK,
     MODES,
@@ -37,9 +33,13 @@ from .policy import (
     effective_ladder,
     nominal_bits,
 )
+from qwen3_tts_engine.log import logger
+from qwen3_tts_engine.models.footprint import Footprints, checkpoint_weight_bytes
+from qwen3_tts_engine.models.recipes import RECIPES, get_recipe
+from qwen3_tts_engine.models.variants import resolve
 
 # Niceness of a make-before-break swap's new worker until it serves (0: same as the old one);
-# above 0 it is also idle-scheduled on Linux (runtime/worker.py renice), so the voices speaking
+# above 0 it is also idle-scheduled on Linux (worker/main.py renice), so the voices speaking
 # on the old worker lose nothing to it; LOADING_PATIENCE bounds its wait.
 LOADING_NICE = 10
 LOADING_PATIENCE = 2.0  # x the old worker's start time, then the normal priority
@@ -197,11 +197,11 @@ class Governor:
             await asyncio.gather(*self._retiring, return_exceptions=True)
 
     def _passes_gate(self, variant: str, start: str) -> bool:
-        from .gate import check_rung
+        from qwen3_tts_engine.governor.gate import check_rung
 
         budget = self.quality_budget
         if budget is None:
-            from .budget import DEFAULT_BUDGET as budget
+            from qwen3_tts_engine.governor.budget import DEFAULT_BUDGET as budget
         check = check_rung(self.engine.model, variant, start=start, consent=self.allow_unevaluated,
                            budget=budget, min_items=self.quality_min_items)  # fmt: skip
         self.rung_checks[variant] = check

@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from qwen3_tts_engine.governor.memory import MemoryReading
 from qwen3_tts_engine.models.recipes import RECIPES
-
-from .memory import MemoryReading
 
 MAKE_BEFORE_BREAK = "make-before-break"
 BREAK_BEFORE_MAKE = "break-before-make"

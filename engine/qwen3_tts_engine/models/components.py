@@ -9,39 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from .recipes import CODE_PREDICTOR, CODEC_EMBEDDINGS, TEXT_EMBEDDING, Recipe, Rule
+from qwen3_tts_engine.models.recipes import (
+    COMPONENTS,
+    EMBEDDING_COMPONENTS,
+    Recipe,
+    Rule,
+    component_rule,
+)
 
-_LAYER = r"^talker\.model\.layers\.\d+\."
-
-# name -> (pattern, talker-layer range or None, description)
-COMPONENTS: dict[str, tuple[str, tuple[int, int] | None, str]] = {
-    "talker-attention": (_LAYER + r"self_attn\.", None, "q/k/v/o projections of every talker layer"),
-    "talker-mlp": (_LAYER + r"mlp\.", None, "gate/up/down projections of every talker layer"),
-    "talker-first-layer": (_LAYER, (0, 0), "all projections of talker layer 0"),
-    "talker-last-layer": (_LAYER, (-1, -1), "all projections of the last talker layer"),
-    "codec-head": (r"^talker\.codec_head$", None, "the talker's codebook-0 head"),
-    "text-projection": (r"^talker\.text_projection\.", None, "text-embedding projection MLP"),
-    "code-predictor": (CODE_PREDICTOR, None, "the 15-head code predictor (not its embeddings)"),
-    "text-embedding": (TEXT_EMBEDDING, None, "the 151936-token text embedding (~620 MB in bf16 "
-                       "of the 0.6B)"),
-    "codec-embedding": (CODEC_EMBEDDINGS, None, "the codebook embeddings of the talker and the "
-                        "code predictor"),
-}
-EMBEDDING_COMPONENTS = ("text-embedding", "codec-embedding")
-
-
-def rule(component: str, bits: int | None, group_size: int = 64) -> Rule:
-    try:
-        pattern, layers, _ = COMPONENTS[component]
-    except KeyError:
-        raise ValueError(f"unknown component {component!r}; components: {', '.join(COMPONENTS)}") from None
-    return Rule(pattern, bits, group_size, layers)
-
+__all__ = ["COMPONENTS", "EMBEDDING_COMPONENTS", "all_but", "everything", "only", "protect"]
 
 def only(component: str, bits: int, group_size: int = 64) -> Recipe:
     """Only `component` quantized, everything else in full precision."""
     return Recipe(f"only-{component}-w{bits}g{group_size}", None, group_size,
-                  (rule(component, bits, group_size),),
+                  (component_rule(component, bits, group_size),),
                   f"only {component} at {bits} bits")  # fmt: skip
 
 
@@ -49,7 +30,7 @@ def _embeddings(bits: int, group_size: int, but: list[str],
                 among: Collection[str] = EMBEDDING_COMPONENTS) -> tuple[Rule, ...]:  # fmt: skip
     """Rules that put the embeddings `among` (except `but`) at `bits`: default bits never reach
     them."""
-    return tuple(rule(c, bits, group_size) for c in EMBEDDING_COMPONENTS if c in among and c not in but)
+    return tuple(component_rule(c, bits, group_size) for c in EMBEDDING_COMPONENTS if c in among and c not in but)
 
 
 def everything(bits: int, group_size: int = 64) -> Recipe:
@@ -63,7 +44,7 @@ def all_but(component: str, bits: int, group_size: int = 64,
     """Everything quantized except `component`; "everything" holds the `embeddings` named (an
     ablation of the Linear components alone leaves the embeddings out, as before they existed)."""
     return Recipe(f"all-but-{component}-w{bits}g{group_size}", bits, group_size,
-                  (rule(component, None), *_embeddings(bits, group_size, [component], embeddings)),
+                  (component_rule(component, None), *_embeddings(bits, group_size, [component], embeddings)),
                   f"all but {component} at {bits} bits")  # fmt: skip
 
 
@@ -73,14 +54,6 @@ def protect(components: list[str], bits: int, group_size: int, keep_bits: int | 
     `keep_bits` (None: full precision)."""
     keep = "bf16" if keep_bits is None else f"w{keep_bits}"
     name = f"w{bits}g{group_size}" + "".join(f"+{c}-{keep}" for c in components)
-    rules = tuple(rule(c, keep_bits, group_size) for c in components)
+    rules = tuple(component_rule(c, keep_bits, group_size) for c in components)
     return Recipe(name, bits, group_size, rules + _embeddings(bits, group_size, components, embeddings),
                   f"all at {bits} bits; {', '.join(components) or 'nothing'} at {keep}")  # fmt: skip
-
-
-def component_paths(model, component: str) -> list[str]:
-    from .loading import quantizable_modules
-
-    r = rule(component, 8)
-    n = model.config.talker_config.num_hidden_layers
-    return sorted(p for p, _ in quantizable_modules(model) if r.matches(p, n))

@@ -13,7 +13,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from .recipes import Recipe, get_recipe, quantization_plan
+from qwen3_tts_engine.models.recipes import Recipe, get_recipe, quantization_plan
 
 DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "U32": 4, "I32": 4, "I64": 8, "U8": 1,
                "I8": 1, "BOOL": 1}  # fmt: skip
@@ -138,35 +138,3 @@ class Footprints:
         return {v: {"bytes": self.get(v), "measured": v in self.measured,
                     "weight_bytes": self.weight_bytes.get(v), "parts": self.parts.get(v)}
                 for v in variants}  # fmt: skip
-
-
-def model_bytes(model) -> dict[str, int]:
-    """Bytes of a loaded model's parameters by part: the talker (what recipes quantize), the
-    speech tokenizer (vocoder, plus its encoder where kept) and the speaker encoder."""
-    from mlx.utils import tree_flatten
-
-    parts = {"talker_bytes": 0, "speech_tokenizer_bytes": 0, "speaker_encoder_bytes": 0}
-    for key, value in tree_flatten(model.parameters()):
-        part = key.split(".", 1)[0]
-        parts[f"{part}_bytes" if f"{part}_bytes" in parts else "talker_bytes"] += value.nbytes
-    return parts
-
-
-def kv_bytes_per_frame(model) -> int:
-    """KV-cache bytes one active stream adds per 80 ms frame: the talker's cache (one position
-    per frame, in the weights' dtype) plus the vocoder's decoder transformer (one position per
-    frame; a plain growing cache in mlx-audio 0.6, NOTES). The code predictor's cache is rebuilt
-    every frame and stays a few positions long."""
-    from mlx.utils import tree_flatten
-
-    t = model.config.talker_config
-    dtype = model.talker.model.norm.weight.dtype
-    talker = t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * dtype.size
-    vocoder = 0
-    st = getattr(model, "speech_tokenizer", None)
-    if st is not None:
-        d = st.config.decoder_config
-        head_dim = getattr(d, "head_dim", d.hidden_size // d.num_attention_heads)
-        size = next((v.dtype.size for k, v in tree_flatten(st.parameters()) if "pre_transformer" in k), 4)
-        vocoder = d.num_hidden_layers * 2 * d.num_key_value_heads * head_dim * size
-    return talker + vocoder

@@ -25,6 +25,8 @@ ALWAYS_SKIPPED = ("speech_tokenizer", "speaker_encoder")
 EMBEDDINGS = ("text_embedding", "codec_embedding")
 # The code predictor without its codebook embeddings (those belong to the codec-embedding part).
 CODE_PREDICTOR = r"^talker\.code_predictor\.(?!model\.codec_embedding\.)"
+TEXT_EMBEDDING = r"^talker\.model\.text_embedding$"
+CODEC_EMBEDDINGS = r"^talker\.(model|code_predictor\.model)\.codec_embedding(\.\d+)?$"
 
 _LAYER_RE = re.compile(r"^talker\.model\.layers\.(\d+)\.")
 
@@ -86,6 +88,37 @@ class Recipe:
         return (self.default_bits, self.default_group_size)
 
 
+# The parts of Qwen3-TTS an ablation quantizes one at a time (`components.py` builds its
+# recipes); a recipe file's rule may name one (`component:`).
+_LAYER = r"^talker\.model\.layers\.\d+\."
+
+# name -> (pattern, talker-layer range or None, description)
+COMPONENTS: dict[str, tuple[str, tuple[int, int] | None, str]] = {
+    "talker-attention": (_LAYER + r"self_attn\.", None, "q/k/v/o projections of every talker layer"),
+    "talker-mlp": (_LAYER + r"mlp\.", None, "gate/up/down projections of every talker layer"),
+    "talker-first-layer": (_LAYER, (0, 0), "all projections of talker layer 0"),
+    "talker-last-layer": (_LAYER, (-1, -1), "all projections of the last talker layer"),
+    "codec-head": (r"^talker\.codec_head$", None, "the talker's codebook-0 head"),
+    "text-projection": (r"^talker\.text_projection\.", None, "text-embedding projection MLP"),
+    "code-predictor": (CODE_PREDICTOR, None, "the 15-head code predictor (not its embeddings)"),
+    "text-embedding": (TEXT_EMBEDDING, None, "the 151936-token text embedding (~620 MB in bf16 "
+                       "of the 0.6B)"),
+    "codec-embedding": (CODEC_EMBEDDINGS, None, "the codebook embeddings of the talker and the "
+                        "code predictor"),
+}
+EMBEDDING_COMPONENTS = ("text-embedding", "codec-embedding")
+
+
+def component_rule(component: str, bits: int | None, group_size: int = 64) -> Rule:
+    """The rule that quantizes the named ablation component (`COMPONENTS`) at `bits`."""
+    try:
+        pattern, layers, _ = COMPONENTS[component]
+    except KeyError:
+        raise ValueError(f"unknown component {component!r}; components: {', '.join(COMPONENTS)}") from None
+    return Rule(pattern, bits, group_size, layers)
+
+
+
 def quantization_plan(
     recipe: Recipe, modules: Iterable[tuple[str, int]], num_talker_layers: int
 ) -> dict[str, tuple[int, int]]:
@@ -107,8 +140,6 @@ def _uniform(bits: int) -> Recipe:
     return Recipe(f"{bits}bit", bits, description=f"every Linear at {bits} bits (affine, group 64)")
 
 
-TEXT_EMBEDDING = r"^talker\.model\.text_embedding$"
-CODEC_EMBEDDINGS = r"^talker\.(model|code_predictor\.model)\.codec_embedding(\.\d+)?$"
 
 
 def _with_embeddings(bits: int, text_bits: int, codec_bits: int, name: str) -> Recipe:
@@ -225,9 +256,7 @@ def recipe_from_dict(data: dict, *, default_name: str = "custom") -> Recipe:
                                    or not all(type(x) is int for x in layers)):  # fmt: skip
             raise ValueError(f"{where}: layers must be [first, last] (integers), got {layers!r}")
         if "component" in r:
-            from .components import rule
-
-            base = rule(r["component"], bits, gs)
+            base = component_rule(r["component"], bits, gs)
             rules.append(Rule(base.pattern, bits, gs, tuple(layers) if layers else base.layers))
             continue
         try:

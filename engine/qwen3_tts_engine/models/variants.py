@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .recipes import RECIPES, UNIFORM_VARIANTS, Recipe, get_recipe
+from qwen3_tts_engine.models.recipes import RECIPES, UNIFORM_VARIANTS, Recipe, get_recipe
 
 DEFAULT_VARIANT = "6bit"
 MLX_COMMUNITY = "mlx-community/"

@@ -21,15 +21,13 @@ from qwen3_tts_engine.models.components import (
     COMPONENTS,
     EMBEDDING_COMPONENTS,
     all_but,
-    component_paths,
     only,
     protect,
 )
-from qwen3_tts_engine.models.loading import quantizable_modules
 from qwen3_tts_engine.models.recipes import recipe_to_dict
-
-from .candidates import Candidate
-from .evaluate import EvalSettings, Reference, evaluate
+from qwen3_tts_engine.quant.candidates import Candidate
+from qwen3_tts_engine.quant.evaluate import EvalSettings, Reference, evaluate
+from qwen3_tts_engine.worker.loading import component_paths, quantizable_modules
 
 
 def damage(entry: dict) -> float:

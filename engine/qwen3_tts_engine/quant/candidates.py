@@ -11,9 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from qwen3_tts_engine.models.components import component_paths
-from qwen3_tts_engine.models.loading import apply_recipe, load_checkpoint, recipe_plan
 from qwen3_tts_engine.models.recipes import Recipe, recipe_to_dict
+from qwen3_tts_engine.worker.loading import (
+    apply_recipe,
+    component_paths,
+    load_checkpoint,
+    recipe_plan,
+)
 
 METHODS = ("reference", "rtn", "gptq", "checkpoint", "graft")
 
@@ -52,7 +56,7 @@ def load_dir(path: Path):
 
 def graft(model, donor, paths) -> None:
     """Replace `model`'s modules at `paths` by the donor's (same architecture)."""
-    from .gptq import get_module, set_module
+    from qwen3_tts_engine.quant.gptq import get_module, set_module
 
     for p in paths:
         set_module(model, p, get_module(donor, p))
@@ -92,7 +96,7 @@ def build(
     details: dict = {}
     skip: frozenset[str] = frozenset()
     if candidate.method == "gptq":
-        from .gptq import apply_gptq
+        from qwen3_tts_engine.quant.gptq import apply_gptq
 
         if calibrate is None:
             raise ValueError("GPTQ needs calibration data")

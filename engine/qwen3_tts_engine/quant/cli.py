@@ -16,9 +16,9 @@ def _say(msg: str) -> None:
 
 def _reference(name: str | None) -> Path:
     """A local full-precision checkpoint for `name` (hub ids are downloaded as bf16)."""
-    from qwen3_tts_engine.models.loading import fetch
     from qwen3_tts_engine.models.variants import resolve
-    from qwen3_tts_engine.testing import TINY_WARNING, default_tiny_checkpoint
+    from qwen3_tts_engine.tiny_checkpoints import TINY_WARNING, default_tiny_checkpoint
+    from qwen3_tts_engine.worker.loading import fetch
 
     if not name:
         _say(TINY_WARNING)
@@ -38,7 +38,7 @@ def _csv(text: str | None) -> list[str]:
 
 
 def _settings(args):
-    from .evaluate import EVAL_TEXTS, EvalSettings
+    from qwen3_tts_engine.quant.evaluate import EVAL_TEXTS, EvalSettings
 
     texts = EVAL_TEXTS
     if args.texts_file:
@@ -92,8 +92,7 @@ def _candidates(specs: list[str], gptq: list[str]):
     """Candidates from names, recipe files and checkpoint dirs (+ a GPTQ twin per recipe)."""
     from qwen3_tts_engine.models.components import COMPONENTS, EMBEDDING_COMPONENTS
     from qwen3_tts_engine.models.recipes import RECIPES, load_recipe
-
-    from .candidates import Candidate
+    from qwen3_tts_engine.quant.candidates import Candidate
 
     linear = [c for c in COMPONENTS if c not in EMBEDDING_COMPONENTS]  # GPTQ solves for matmuls
     bad = [c for c in gptq if c not in linear]
@@ -122,8 +121,7 @@ def _candidates(specs: list[str], gptq: list[str]):
 
 def _without_idle_twins(candidates, model) -> list:
     """Drop GPTQ twins of recipes that leave their GPTQ components unquantized (nothing to do)."""
-    from qwen3_tts_engine.models.components import component_paths
-    from qwen3_tts_engine.models.loading import recipe_plan
+    from qwen3_tts_engine.worker.loading import component_paths, recipe_plan
 
     kept = []
     for c in candidates:
@@ -156,9 +154,8 @@ def _summary(report: dict, paths: dict, stored: list[Path]) -> dict:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from qwen3_tts_engine.governor import gate
-
-    from .evaluate import Reference, evaluate
-    from .report import markdown_table, write_report
+    from qwen3_tts_engine.quant.evaluate import Reference, evaluate
+    from qwen3_tts_engine.quant.report import markdown_table, write_report
 
     settings = _settings(args)
     reference = _reference(args.reference)
@@ -187,8 +184,8 @@ def _finish(args, report, paths, stored, markdown_table) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from .ablate import ablate
-    from .report import markdown_table, write_report
+    from qwen3_tts_engine.quant.ablate import ablate
+    from qwen3_tts_engine.quant.report import markdown_table, write_report
 
     settings = _settings(args)
     reference = _reference(args.reference)
@@ -238,11 +235,10 @@ def _check_out(out: Path, src: Path, force: bool) -> None:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from qwen3_tts_engine.models.loading import save_quantized
     from qwen3_tts_engine.models.recipes import load_recipe
-
-    from .candidates import build, load_dir, weight_bytes
-    from .evaluate import EvalSettings, Reference
+    from qwen3_tts_engine.quant.candidates import build, load_dir, weight_bytes
+    from qwen3_tts_engine.quant.evaluate import EvalSettings, Reference
+    from qwen3_tts_engine.worker.loading import save_quantized
 
     recipe = load_recipe(args.recipe)
     if not recipe.is_quantized:

@@ -19,13 +19,12 @@ import numpy as np
 
 from qwen3_tts_engine.governor.budget import DEFAULT_BUDGET, SCHEMA, evaluate_budget
 from qwen3_tts_engine.log import logger
-from qwen3_tts_engine.models.loading import source_digest
+from qwen3_tts_engine.models.checkpoints import source_digest
 from qwen3_tts_engine.protocol import SpeechRequest
-
-from .candidates import Candidate, build, load_dir, weight_bytes
-from .forced import Forced, compare_forced, teacher_forced
-from .free_running import compare_runs, generate_codes
-from .stats import bootstrap_ci
+from qwen3_tts_engine.quant.candidates import Candidate, build, load_dir, weight_bytes
+from qwen3_tts_engine.quant.forced import Forced, compare_forced, teacher_forced
+from qwen3_tts_engine.quant.free_running import compare_runs, generate_codes
+from qwen3_tts_engine.quant.stats import bootstrap_ci
 
 # Short, varied English sentences; calibration texts are disjoint from evaluation texts.
 EVAL_TEXTS = (
@@ -189,7 +188,7 @@ def versions() -> dict:
 
 
 def decode(model, codes: np.ndarray) -> np.ndarray:
-    from qwen3_tts_engine.runtime.synthesis import one_shot_decode
+    from qwen3_tts_engine.worker.synthesis import one_shot_decode
 
     return one_shot_decode(model, codes) if len(codes) else np.zeros(0, np.float32)
 
@@ -205,7 +204,11 @@ def same_decoder(a, b) -> bool:
 
 
 def _free_audio(audio: np.ndarray, text: str, rate: int) -> dict:
-    from .audio_metrics import character_error_rate, speech_fraction, transcribe
+    from qwen3_tts_engine.quant.audio_metrics import (
+        character_error_rate,
+        speech_fraction,
+        transcribe,
+    )
 
     silent = len(audio) == 0 or speech_fraction(audio, rate) < SILENT_BELOW
     return {"silence_rate": float(silent),
@@ -214,7 +217,7 @@ def _free_audio(audio: np.ndarray, text: str, rate: int) -> dict:
 
 def audio_metrics(model, item: Item, codes: np.ndarray, decoder_identical: bool, rate: int) -> dict:
     """Silence and CER of the candidate's own run; decoder distances on the reference's codes."""
-    from .audio_metrics import log_mel_distance, mrstft_distance
+    from qwen3_tts_engine.quant.audio_metrics import log_mel_distance, mrstft_distance
 
     row = _free_audio(decode(model, codes), item.req.input, rate)
     if decoder_identical:  # same weights, same codes: the audio is identical by construction
@@ -305,7 +308,7 @@ def evaluate(
 def compare_gptq(report: dict, n_boot: int = 2000) -> None:
     """Each GPTQ candidate against the round-to-nearest one of the same recipe, paired per item:
     the difference of the KLs with its interval, and a verdict that says by how much."""
-    from .stats import paired_bootstrap
+    from qwen3_tts_engine.quant.stats import paired_bootstrap
 
     rtn = {json_key(c["recipe"]): c for c in report["candidates"] if c["method"] == "rtn"}
     for c in report["candidates"]:

@@ -3,7 +3,7 @@
 One talker pass over the prompt plus all reference frames gives codebook 0's distribution at
 every step (and after the last frame, where the reference stopped); one code-predictor pass over
 all frames at once gives the 15 heads'. The inputs are built exactly as the scheduler's steps build
-them (runtime/scheduler.py), so forced along its own codes a model gives the logits its sampler saw.
+them (worker/scheduler.py), so forced along its own codes a model gives the logits its sampler saw.
 Distributions are the model's own (temperature 1, no top-k/top-p or repetition penalty) over the
 tokens the sampler may pick (codebook 0's control tokens other than EOS are suppressed).
 """
@@ -16,7 +16,9 @@ import mlx.core as mx
 import numpy as np
 
 from qwen3_tts_engine.protocol import SpeechRequest
-from qwen3_tts_engine.runtime.synthesis import _check_request, _prefill
+from qwen3_tts_engine.rules import ModelInfo, check_request
+from qwen3_tts_engine.worker.loading import describe
+from qwen3_tts_engine.worker.prompts import build_prompt
 
 
 @dataclass
@@ -39,8 +41,8 @@ def _log_softmax(x: mx.array) -> np.ndarray:
 
 def teacher_forced(model, req: SpeechRequest, codes: np.ndarray) -> Forced:
     """Distributions of `model` along `codes` [T, 16] for the prompt of `req` (one text)."""
-    voice, instruct = _check_request(model, req)
-    embeds, trailing, pad = _prefill(model, req.input, req, voice, instruct, None)
+    voice = check_request(req, ModelInfo.from_info(describe(model)))
+    embeds, trailing, pad = build_prompt(model, req.input, req, voice, None)
     talker = model.talker
     cfg = model.config.talker_config
     embed0 = talker.get_input_embeddings()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from qwen3_tts_engine.protocol import SpeechRequest
-from qwen3_tts_engine.runtime.scheduler import Scheduler
+from qwen3_tts_engine.worker.scheduler import Scheduler
 
 
 def generate_codes(model, req: SpeechRequest) -> tuple[np.ndarray, bool]:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from qwen3_tts_engine.dispatch.handler import HandlerError, QueueFull
 from qwen3_tts_engine.governor.governor import SwapInProgress
 from qwen3_tts_engine.protocol import RequestError
-from qwen3_tts_engine.runtime.handler import HandlerError, QueueFull, RequestRejected
 
-# First match wins: keep subclasses above their bases.
+# First match wins: keep subclasses above their bases. A RequestError carries its own status.
 _STATUS: tuple[tuple[type[Exception], int], ...] = (
     (QueueFull, 429),
-    (RequestRejected, 400),
     (SwapInProgress, 409),
     (HandlerError, 503),
 )
@@ -29,7 +28,7 @@ def as_request_error(err: Exception) -> RequestError:
 
 
 # The exceptions `as_request_error` maps (for `except` clauses).
-MAPPED: tuple[type[Exception], ...] = tuple(kind for kind, _ in _STATUS)
+MAPPED: tuple[type[Exception], ...] = (RequestError, *(kind for kind, _ in _STATUS))
 
 
 def error_response(err: Exception, *, retry_after_s: int | None = None) -> web.Response:

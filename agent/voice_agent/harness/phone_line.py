@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .speech_assets import _require_tool, _run
+from voice_agent.speech_assets import _require_tool, _run
 
 TELEPHONE_BAND_HZ = (300, 3400)
 LINE_RATE = 8000

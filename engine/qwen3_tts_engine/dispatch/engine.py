@@ -8,11 +8,17 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
+from qwen3_tts_engine.dispatch.handler import (
+    AudioChunk,
+    Handler,
+    HandlerDraining,
+    HandlerError,
+    Result,
+)
 from qwen3_tts_engine.log import logger
 from qwen3_tts_engine.models.recipes import RECIPES
 from qwen3_tts_engine.protocol import RequestError, SpeechRequest
-
-from .handler import AudioChunk, Handler, HandlerDraining, HandlerError, Result
+from qwen3_tts_engine.rules import ModelInfo, check_request
 
 
 class Engine:
@@ -85,10 +91,9 @@ class Engine:
     def validate(self, req: SpeechRequest) -> None:
         """Reject, before any waiting, what no handler here can serve."""
         self._check_names(req)
-        if req.variant is not None and req.variant != self.pending_variant:
-            check_against_model(req, self.pick(req).info)
-        else:
-            check_against_model(req, self.info)
+        info = self.pick(req).info if req.variant is not None and req.variant != self.pending_variant else self.info
+        if info:  # before the first model has loaded, the worker's own check is the one
+            check_request(req, ModelInfo.from_info(info))
 
     async def acquire(self, req: SpeechRequest) -> Handler:
         """The handler for `req`, waiting while a break-before-make swap is between handlers."""
@@ -163,25 +168,3 @@ class Engine:
         """End a gap without a new handler (a failed swap): waiting requests get an answer."""
         self.pending_variant = None
         self._serving.set()
-
-
-def check_against_model(req: SpeechRequest, info: dict) -> None:
-    """Reject, before any audio is sent, what the loaded model cannot do."""
-    kind = info.get("tts_model_type")
-    if req.task_type is not None and req.task_type != kind:
-        raise RequestError(f"task_type {req.task_type!r} does not match this model ({kind})",
-                           param="task_type")  # fmt: skip
-    voices = info.get("voices", [])
-    if kind == "custom_voice" and req.voice is not None and req.voice.lower() not in voices:
-        raise RequestError(f"unknown voice {req.voice!r}; voices: {', '.join(voices)}", param="voice")
-    if kind == "voice_design" and not req.instructions:
-        raise RequestError("a VoiceDesign model needs `instructions`", param="instructions")
-    if kind == "base" and req.voice is not None and req.voice.lower() not in voices:
-        raise RequestError("Base models have no preset voices; send ref_audio instead", param="voice")
-    if req.language not in info.get("languages", [req.language]):
-        raise RequestError(f"language {req.language!r} is not supported by this model; "
-                           f"languages: {', '.join(info['languages'])}", param="language")  # fmt: skip
-    if req.ref_text and not req.ref_audio:
-        raise RequestError("ref_text needs ref_audio", param="ref_text")
-    if req.ref_audio and kind != "base":
-        raise RequestError("ref_audio needs a Base model", param="ref_audio")

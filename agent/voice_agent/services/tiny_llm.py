@@ -38,7 +38,7 @@ def write_tiny_llm(out_dir: str | Path, *, seed: int = 0) -> Path:
     from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3
 
-    from qwen3_tts_engine import write_tokenizer
+    from qwen3_tts_engine.tiny_checkpoints.builder import write_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ sentence and its next sentence joins as a new prefill, into the same vocoder str
 keep 4 frames across sentences. A stream whose consumer is behind is paused: its cache row is
 taken out of the batch and merged back when it resumes.
 
-Runs in the handler's worker process, on its main thread (mlx), like `synthesis.py`.
+Runs in the handler's worker process, on its main thread (mlx).
 """
 
 from __future__ import annotations
@@ -25,18 +25,40 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
-from qwen3_tts_engine.models.blas_threads import blas_threads, threads_for
-from qwen3_tts_engine.protocol import CHUNK_FRAMES, SpeechRequest, default_max_new_tokens
-
-from .sampling import BatchSampler, SamplingParams, frame_uniforms, presence_mask
-from .synthesis import (
-    Chunk,
-    SynthesisError,
-    SynthesisStats,
-    _check_request,
-    _prefill,
-    split_sentences,
+from qwen3_tts_engine.protocol import (
+    CHUNK_FRAMES,
+    SpeechRequest,
+    default_max_new_tokens,
 )
+from qwen3_tts_engine.rules import ModelInfo, Voice, check_request
+from qwen3_tts_engine.sentences import split_input
+from qwen3_tts_engine.worker.blas_threads import blas_threads, threads_for
+from qwen3_tts_engine.worker.loading import describe
+from qwen3_tts_engine.worker.prompts import build_prompt
+from qwen3_tts_engine.worker.sampling import (
+    BatchSampler,
+    SamplingParams,
+    frame_uniforms,
+    presence_mask,
+)
+from qwen3_tts_engine.worker.vocoder import decode_steps, new_stream
+
+
+@dataclass
+class Chunk:
+    audio: np.ndarray  # float32 in [-1, 1]
+    frames: int
+    compute_s: float  # wall time spent on this chunk's frames and its vocoder step
+    codes: np.ndarray | None = None  # [frames, 16] when requested
+
+
+@dataclass
+class SynthesisStats:
+    frames: int = 0
+    sentences: int = 0
+    hit_token_cap: bool = False
+    cancelled: bool = False
+    chunk_frames: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -53,8 +75,7 @@ class Event:
 class Stream:
     id: str
     req: SpeechRequest
-    voice: str | None
-    instruct: str | None
+    voice: Voice
     ref_audio: mx.array | None
     params: SamplingParams
     key: mx.array
@@ -93,8 +114,9 @@ class Scheduler:
 
     def __init__(self, model, *, max_batch: int = 8) -> None:
         if model.speech_tokenizer is None or model.tokenizer is None:
-            raise SynthesisError("the checkpoint's tokenizer or speech tokenizer failed to load")
+            raise RuntimeError("the checkpoint's tokenizer or speech tokenizer failed to load")
         self.model = model
+        self.info = ModelInfo.from_info(describe(model))
         self.max_batch = max_batch
         self.talker = model.talker
         config = model.config.talker_config
@@ -121,9 +143,9 @@ class Scheduler:
     def add(self, stream_id: str, req: SpeechRequest, *, ref_audio: mx.array | None = None,
             keep_codes: bool = False, decode: bool = True, split: bool = True,
             stats: SynthesisStats | None = None) -> Stream:  # fmt: skip
-        """Admit a request (it starts at the next step); SynthesisError when it cannot be served.
+        """Admit a request (it starts at the next step); RequestError when it cannot be served.
         `split=False` prefills the whole input at once instead of sentence by sentence."""
-        voice, instruct = _check_request(self.model, req)
+        voice = check_request(req, self.info, ref_audio=ref_audio is not None)
         options = self.model._resolve_generation_options(
             req.temperature, None, req.top_k, req.top_p, req.repetition_penalty
         )
@@ -131,10 +153,10 @@ class Scheduler:
         if ref_audio is not None and req.ref_text:
             penalty = max(penalty, 1.5)  # as mlx-audio's ICL path: long prefills degenerate
         params = SamplingParams(options["temperature"], options["top_k"], options["top_p"], penalty)
-        stream = Stream(stream_id, req, voice, instruct, ref_audio, params, _new_key(req.seed),
+        stream = Stream(stream_id, req, voice, ref_audio, params, _new_key(req.seed),
                         keep_codes=keep_codes, decode=decode,
                         stats=stats if stats is not None else SynthesisStats(),
-                        sentences=split_sentences(req.input) if split else [req.input],
+                        sentences=split_input(req.input) if split else [req.input],
                         target=req.first_chunk_frames or CHUNK_FRAMES)  # fmt: skip
         self.streams[stream_id] = stream
         return stream
@@ -255,8 +277,8 @@ class Scheduler:
 
     def _prompt(self, s: Stream) -> None:
         """The prompt of the stream's sentence (prefilled at the step it joins)."""
-        s.prefill, s.trailing, s.pad_embed = _prefill(
-            self.model, s.sentences[s.sentence], s.req, s.voice, s.instruct, s.ref_audio
+        s.prefill, s.trailing, s.pad_embed = build_prompt(
+            self.model, s.sentences[s.sentence], s.req, s.voice, s.ref_audio
         )
 
     def _talker_step(self, joining: list[Stream]) -> tuple[mx.array, mx.array]:
@@ -368,8 +390,6 @@ class Scheduler:
         decoding = [s for s in ready if s.decode]
         audio: dict[int, mx.array] = {}
         if decoding:
-            from .vocoder import decode_steps, new_stream
-
             items = []
             for s in decoding:
                 if s.vocoder is None:

@@ -52,3 +52,10 @@ def split_sentences(text: str, min_sentence_len: int = 20) -> list[str]:
     if buff:
         sentences.append(buff[1:])
     return sentences
+
+
+def split_input(text: str) -> list[str]:
+    """The pieces a long input is synthesized in, one after another: its sentences (as LiveKit's
+    basic tokenizer cuts them, short ones merged), stripped; the whole text when none is found."""
+    parts = [s.strip() for s in split_sentences(text, min_sentence_len=20)]
+    return [p for p in parts if p] or [text.strip()]

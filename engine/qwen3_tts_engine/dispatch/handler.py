@@ -1,9 +1,10 @@
 """A handler: one loaded model in one precision, in its own worker process, as an async unit.
 
-It is started (load + warm-up), serves up to `max_batch` syntheses at once (its worker batches
-them: `scheduler.py`) with a FIFO queue for the rest whose wait is measured, can be drained and
-stopped, and restarts its worker when that dies. The governor swaps handlers; the server routes
-requests to them.
+The server's side of a worker process (`worker/main.py` is the other side; `messages.py` the
+pipe between them). It is started (load + warm-up), serves up to `max_batch` syntheses at once
+(its worker batches them: `worker/scheduler.py`) with a FIFO queue for the rest whose wait is
+measured, can be drained and stopped, and restarts its worker when that dies. The governor swaps
+handlers; the server routes requests to them.
 """
 
 from __future__ import annotations
@@ -18,10 +19,19 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from qwen3_tts_engine.log import logger
-from qwen3_tts_engine.protocol import DEFAULT_MAX_BATCH, SpeechRequest, check_compute_dtype
+import psutil
 
-from .worker import renice, worker_main
+from qwen3_tts_engine import messages as msg
+from qwen3_tts_engine.dispatch.launch import spawn_worker
+from qwen3_tts_engine.dispatch.spare import SpareWorker
+from qwen3_tts_engine.log import logger
+from qwen3_tts_engine.priority import renice
+from qwen3_tts_engine.protocol import (
+    DEFAULT_MAX_BATCH,
+    RequestError,
+    SpeechRequest,
+    check_compute_dtype,
+)
 
 _ids = itertools.count(1)
 
@@ -32,10 +42,6 @@ class HandlerError(RuntimeError):
 
 class HandlerDraining(HandlerError):
     """The handler stopped taking work before this request started: route it to another one."""
-
-
-class RequestRejected(ValueError):
-    """The model cannot serve this request (unknown voice...): a client error."""
 
 
 class QueueFull(RuntimeError):
@@ -58,50 +64,6 @@ class Result:
     first_audio_s: float | None = None
     stats: dict | None = None
     variant: str | None = None
-
-
-SPARE_NICE = 19  # a spare's imports yield the CPU to every worker that serves
-
-
-class SpareWorker:
-    """A handler worker started before it is needed: its interpreter up and the modules that
-    loading imports imported (most of a worker's start on a CPU), no model. A swap hands it its
-    spec (`Handler.start(spare=...)`), so the new worker's CPU during the swap is its weights and
-    warm-up. It waits at the lowest priority (idle-scheduled on Linux); ~90 MB of memory."""
-
-    def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=worker_main, args=(child, None), daemon=True,
-                                name="qwen3-tts-worker spare")  # fmt: skip
-        self.proc.start()
-        renice(self.proc.pid, SPARE_NICE, idle=True)
-        child.close()
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid
-
-    def wait_ready(self, timeout: float) -> bool:
-        """Until its imports are done (blocks: run in a thread). False on timeout or death."""
-        try:
-            return self.conn.poll(timeout) and self.conn.recv()[0] == "spare"
-        except (EOFError, OSError):
-            return False
-
-    def take(self, nice: int) -> bool:
-        """Ready to be a handler's worker at niceness `nice` (False: gone, or the OS refused the
-        higher priority, which needs CAP_SYS_NICE: then a fresh worker is spawned instead)."""
-        return self.proc.is_alive() and renice(self.proc.pid, nice, idle=nice > 0)
-
-    def close(self) -> None:
-        """End it unused (blocks up to ~4 s: run in a thread)."""
-        with contextlib.suppress(OSError):
-            self.conn.close()  # EOF: the spare returns
-        self.proc.join(2)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(2)
 
 
 class Handler:
@@ -185,39 +147,35 @@ class Handler:
         self._draining.clear()
         self.state = "starting"
         self._ready.clear()
-        spec = {"model": self.model, "variant": self.requested_variant, "warmup": self.warmup,
-                "nice": self.nice, "max_batch": self.max_batch,
-                "compute_dtype": self.compute_dtype}  # fmt: skip
+        spec = msg.WorkerSpec(model=self.model, variant=self.requested_variant,
+                              warmup=self.warmup, nice=self.nice, max_batch=self.max_batch,
+                              compute_dtype=self.compute_dtype)  # fmt: skip
         if spare is not None and spare.take(self.nice):
             self._proc, parent = spare.proc, spare.conn
             parent.send(spec)
         else:
             if spare is not None:
                 await asyncio.to_thread(spare.close)
-            ctx = mp.get_context("spawn")
-            parent, child = ctx.Pipe()
-            self._proc = ctx.Process(target=worker_main, args=(child, spec), daemon=True,
-                                     name=f"qwen3-tts-worker {self.name}")  # fmt: skip
-            self._proc.start()
+            self._proc, parent = spawn_worker(spec, f"qwen3-tts-worker {self.name}")
             if self.nice:  # from its interpreter's start-up on, not only once worker_main runs:
                 renice(self._proc.pid, self.nice, idle=True)  # start-up and imports: most of a load's CPU
-            child.close()
         self._conn = parent
         self._control = asyncio.Queue()
         threading.Thread(target=self._read, args=(parent, self._proc), daemon=True).start()
         t0 = time.perf_counter()
         try:
-            msg = await asyncio.wait_for(self._control.get(), self.load_timeout)
+            answer = await asyncio.wait_for(self._control.get(), self.load_timeout)
         except TimeoutError:
             self._kill()
             self.state = "failed"
             raise HandlerError(f"{self.name}: loading took longer than {self.load_timeout}s") from None
-        if msg[0] != "ready":
+        if not isinstance(answer, msg.Ready):
             self._kill()
             self.state = "failed"
-            detail = msg[1] if msg[0] == "failed" else f"worker exited ({msg[1]})"
+            detail = (answer.message if isinstance(answer, msg.LoadFailed)
+                      else f"worker exited ({answer.exitcode})")  # fmt: skip
             raise HandlerError(f"{self.name}: could not load {self.model!r}: {detail}")
-        self.info = {**msg[1], "start_s": time.perf_counter() - t0, "pid": self._proc.pid}
+        self.info = {**answer.info, "start_s": time.perf_counter() - t0, "pid": self._proc.pid}
         self.state = "ready"
         self._ready.set()
         logger.info("handler %s ready (variant %s, pid %s, %.1fs)", self.name, self.variant,
@@ -229,34 +187,36 @@ class Handler:
         loop = self._loop
         while True:
             try:
-                msg = conn.recv()
-            except (EOFError, OSError):
+                m = conn.recv()
+            except Exception as e:  # EOF: it exited; anything else: a message cut short (killed mid-send)
+                if not isinstance(e, EOFError | OSError):
+                    logger.warning("handler %s: unreadable message from its worker: %r", self.name, e)
                 proc.join(timeout=5)
-                loop.call_soon_threadsafe(self._route, ("died", proc.exitcode), proc)
+                loop.call_soon_threadsafe(self._route, msg.Died(proc.exitcode), proc)
                 return
-            loop.call_soon_threadsafe(self._route, msg, proc)
+            loop.call_soon_threadsafe(self._route, m, proc)
 
-    def _route(self, msg: tuple, proc) -> None:
+    def _route(self, m: msg.FromWorker | msg.Died, proc) -> None:
         """On the event loop: a worker message to the request it is about, or to the handler."""
-        kind = msg[0]
         if proc is not self._proc:
             return  # a previous worker's last words (it was replaced)
-        if kind in ("ready", "failed"):
-            self._control.put_nowait(msg)
-        elif kind == "died":
+        if isinstance(m, msg.Ready | msg.LoadFailed):
+            self._control.put_nowait(m)
+        elif isinstance(m, msg.Died):
             for queue in self._streams.values():
-                queue.put_nowait(msg)
+                queue.put_nowait(m)
             if self.state == "starting":
-                self._control.put_nowait(msg)
+                self._control.put_nowait(m)
             elif not self._stopping:
-                self._on_death(msg[1])
-        elif kind == "memory":
-            self.info["memory"] = msg[1]
+                self._on_death(m.exitcode)
+        elif isinstance(m, msg.MemoryReport):
+            self.info["memory"] = m.memory
             self.memory_reports += 1
-        elif kind == "batching":
-            self.batching = msg[1]
-        elif (queue := self._streams.get(msg[1])) is not None:
-            queue.put_nowait(msg)
+        elif isinstance(m, msg.BatchingReport):
+            self.batching = m.stats
+        elif isinstance(m, msg.Chunk | msg.Done | msg.Failed):
+            if (queue := self._streams.get(m.id)) is not None:
+                queue.put_nowait(m)
         # a message of a request that is gone (cancelled and acknowledged) is dropped
 
     def _kill(self) -> None:
@@ -292,7 +252,7 @@ class Handler:
             self._restart_task.cancel()
         if self._conn is not None and self._proc is not None and self._proc.is_alive():
             try:
-                self._conn.send(("stop",))
+                self._conn.send(msg.Stop())
             except OSError:
                 pass
             await asyncio.to_thread(self._proc.join, grace)
@@ -313,8 +273,6 @@ class Handler:
 
     async def memory(self) -> dict:
         """Worker memory: RSS from the OS plus mlx's own counters from the last report."""
-        import psutil
-
         out = dict(self.info.get("memory", {}))
         if self._proc is not None and self._proc.is_alive():
             try:
@@ -402,34 +360,34 @@ class Handler:
             if self.state == "failed" or self._proc is None or not self._proc.is_alive():
                 finished = True
                 raise HandlerError(f"{self.name}: its worker is not running")
-            self._conn.send(("synth", req_id, req.to_dict(), ref_audio))
+            self._conn.send(msg.Synthesize(req_id, req.to_dict(), ref_audio))
             while True:
-                msg = await inbox.get()
-                kind = msg[0]
-                if kind == "died":
+                m = await inbox.get()
+                if isinstance(m, msg.Died):
                     finished = True
                     raise HandlerError(
-                        f"the TTS worker died during synthesis (exit code {msg[1]})"
+                        f"the TTS worker died during synthesis (exit code {m.exitcode})"
                         + ("" if self._stopping else "; it is being restarted")
                     )
-                if kind == "chunk":
+                if isinstance(m, msg.Chunk):
                     if result.first_audio_s is None:
                         result.first_audio_s = time.perf_counter() - t0
-                    yield AudioChunk(msg[2], msg[3], msg[4], index)
+                    yield AudioChunk(m.pcm, m.frames, m.compute_s, index)
                     index += 1
                     try:  # the consumer wants the next one: the worker may go on (flow control)
-                        self._conn.send(("taken", req_id, index))
+                        self._conn.send(msg.Taken(req_id, index))
                     except OSError:
-                        pass  # the worker died; its "died" message is next
-                elif kind == "done":
+                        pass  # the worker died; its Died message is next
+                elif isinstance(m, msg.Done):
                     finished = True
-                    result.stats = self.last_stats = msg[2]
-                    self.history.append(msg[2])
+                    result.stats = self.last_stats = m.stats
+                    self.history.append(m.stats)
                     return
-                elif kind == "error":
+                elif isinstance(m, msg.Failed):
                     finished = True
-                    cls = RequestRejected if msg[2] == "request" else HandlerError
-                    raise cls(msg[3])
+                    if m.client:
+                        raise RequestError(m.message, param=m.param)
+                    raise HandlerError(m.message)
         finally:
             try:
                 if not finished:
@@ -441,20 +399,20 @@ class Handler:
 
     async def _cancel(self, req_id: str, inbox: asyncio.Queue) -> None:
         try:
-            self._conn.send(("cancel", req_id))
+            self._conn.send(msg.Cancel(req_id))
         except OSError:
             return
         while True:
             try:
-                msg = await asyncio.wait_for(inbox.get(), 60)
+                m = await asyncio.wait_for(inbox.get(), 60)
             except TimeoutError:
                 logger.error("handler %s: no acknowledgement of a cancel; killing the worker", self.name)
                 self._kill()
                 return
-            if msg[0] == "died":
+            if isinstance(m, msg.Died):
                 return
-            if msg[0] in ("done", "error"):
-                self.last_stats = msg[2] if msg[0] == "done" else None
+            if isinstance(m, msg.Done | msg.Failed):
+                self.last_stats = m.stats if isinstance(m, msg.Done) else None
                 if self.last_stats:
                     self.history.append(self.last_stats)
                 return

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
-import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -19,23 +16,26 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
+from mlx_audio.utils import apply_quantization, get_model_path, load_config, load_weights
+from tqdm import tqdm
+
 from qwen3_tts_engine.log import logger
+from qwen3_tts_engine.models.checkpoints import quantized_cache_dir
+from qwen3_tts_engine.models.components import component_rule
+from qwen3_tts_engine.models.recipes import ALWAYS_SKIPPED, Recipe, quantization_plan
+from qwen3_tts_engine.models.variants import ModelSource
 from qwen3_tts_engine.protocol import AUTO_COMPUTE, check_compute_dtype
-
-from .recipes import ALWAYS_SKIPPED, Recipe, quantization_plan
-from .variants import ModelSource
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("QWEN3_TTS_CACHE", "~/.cache/qwen3-tts")).expanduser()
+from qwen3_tts_engine.worker.cpu_kernels import on_cpu, use_fast_cpu_kernels
 
 
 def fetch(source: ModelSource) -> Path:
     """Local directory of the checkpoint; hub ids are downloaded (with progress bars)."""
     if source.local:
         return Path(source.source)
-    from mlx_audio.utils import get_model_path
-
     try:
         return Path(get_model_path(source.source))
     except Exception as e:  # huggingface_hub raises many types when offline
@@ -45,43 +45,8 @@ def fetch(source: ModelSource) -> Path:
         ) from e
 
 
-def source_digest(path: Path) -> str:
-    """sha256 over config.json and the root weight files (names and bytes).
-
-    Cached per process while the files stay the same files (checkpoints are GBs): the key has
-    the change time and inode besides the modification time, because copies that keep
-    timestamps (`cp -p`, `rsync -t`) can put other weights behind the same mtime.
-    """
-    files = sorted([path / "config.json", *path.glob("*.safetensors")])
-    stats = [f.stat() for f in files]
-    return _digest(tuple(str(f.resolve()) for f in files),
-                   tuple((s.st_mtime_ns, s.st_ctime_ns, s.st_ino, s.st_size) for s in stats))  # fmt: skip
-
-
-@functools.lru_cache(maxsize=16)
-def _digest(files: tuple[str, ...], stamps: tuple[tuple[int, ...], ...]) -> str:
-    h = hashlib.sha256()
-    for f in map(Path, files):
-        h.update(f.name.encode())
-        with f.open("rb") as fh:
-            while block := fh.read(1 << 22):
-                h.update(block)
-    return h.hexdigest()
-
-
-def recipe_digest(recipe: Recipe) -> str:
-    return hashlib.sha256(repr(recipe).encode()).hexdigest()[:12]
-
-
-def quantized_cache_dir(src: Path, recipe: Recipe) -> Path:
-    return cache_root() / "quantized" / f"{source_digest(src)[:16]}-{recipe.name}-{recipe_digest(recipe)}"
-
-
 def load_full_precision(src: Path):
     """A full-precision checkpoint as an mlx-audio Model (weights only: no tokenizers)."""
-    from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
-    from mlx_audio.utils import load_weights
-
     config = json.loads((src / "config.json").read_text())
     if config.get("quantization"):
         raise ValueError(f"{src} is already quantized; quantize a full-precision checkpoint")
@@ -112,8 +77,6 @@ def apply_recipe(model, recipe: Recipe, *, skip: frozenset[str] = frozenset()) -
 
     Paths in `skip` are left alone (e.g. already quantized by GPTQ) but stay in the plan.
     """
-    import mlx.nn as nn
-
     plan = recipe_plan(model, recipe)
     # Every quantizable module is in the talker (ALWAYS_SKIPPED); quantizing only that subtree
     # also works on a loaded model, whose tokenizer attributes nn.quantize cannot walk.
@@ -134,8 +97,6 @@ def apply_recipe(model, recipe: Recipe, *, skip: frozenset[str] = frozenset()) -
 def cast_vocoder(model, dtype: str) -> None:
     """The speech tokenizer's decoder in `dtype` (it ships in float32). The synthesis loop
     converts its output to float32, so only the vocoder's weights and activations shrink."""
-    import mlx.core as mx
-
     model.speech_tokenizer.decoder.set_dtype(getattr(mx, dtype))
     mx.eval(model.speech_tokenizer.decoder.parameters())
 
@@ -143,8 +104,6 @@ def cast_vocoder(model, dtype: str) -> None:
 def release_freed_memory() -> None:
     """Give freed memory back to the system now: mlx's buffer cache, then glibc's heap. After a
     load, the weight files' buffers and dropped modules otherwise stay in the process's RSS."""
-    import mlx.core as mx
-
     mx.clear_cache()
     with contextlib.suppress(OSError, AttributeError):  # not glibc (macOS): nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -155,10 +114,6 @@ def save_quantized(model, src: Path, dst: Path, plan: dict, recipe: Recipe, *,
     """Write a quantized `model` made from `src` to `dst` in mlx-audio's checkpoint format:
     tokenizer and speech-tokenizer files copied, weights saved, and each quantized module
     recorded in config.json["quantization"] so mixed precision loads with mlx-audio's loader."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from tqdm import tqdm
-
     if not plan:
         raise ValueError(f"recipe {recipe.name!r} quantizes no module of {src}")
     config = json.loads((src / "config.json").read_text())
@@ -230,37 +185,6 @@ def _load_predicate(path: str, module) -> bool:
     return not any(s in path for s in ALWAYS_SKIPPED)
 
 
-# Modules that mlx-audio imports on the way to Qwen3-TTS and Qwen3-TTS never uses: its codec
-# package imports every codec, and one of them (MiMo's resampler) imports scipy.signal at the top,
-# about half of a handler worker's start on a CPU (1.7 s of 3.5 s measured here). They load on
-# first use instead (`python -X importtime` shows the chain).
-DEFERRED_IMPORTS = ("scipy.signal",)
-
-
-def defer_unused_imports(names: tuple[str, ...] = DEFERRED_IMPORTS) -> list[str]:
-    """Make each module in `names` import lazily (Python's LazyLoader: the module's code runs at
-    its first attribute access), unless it is imported already. Returns the ones deferred."""
-    deferred = []
-    for name in names:
-        if name in sys.modules:
-            continue
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            continue
-        if spec is None or spec.loader is None:
-            continue
-        spec.loader = importlib.util.LazyLoader(spec.loader)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        parent, _, child = name.rpartition(".")
-        if parent:  # `from scipy import signal` reads the attribute of the parent package
-            setattr(sys.modules[parent], child, module)
-        deferred.append(name)
-    return deferred
-
-
 def compute_talker_in(model, dtype: str) -> None:
     """The talker and code predictor compute in `dtype`: their floating weights (quantized
     modules' scales and biases included) cast once, so activations and the KV cache follow.
@@ -271,9 +195,6 @@ def compute_talker_in(model, dtype: str) -> None:
     of a batch, while float32 runs on BLAS (measured on the tiny checkpoint: a 64x64 matmul
     7/13/21 us at 1/4/8 rows in bfloat16, 3/5/5 us in float32). The cast weights take twice
     the memory of bfloat16."""
-    import mlx.core as mx
-    import mlx.nn as nn
-
     target = getattr(mx, dtype)
     for _, module in model.talker.named_modules():
         if isinstance(module, nn.Embedding | nn.QuantizedEmbedding):
@@ -290,8 +211,6 @@ def resolve_compute_dtype(dtype: str | None) -> str | None:
     check_compute_dtype(dtype)
     if dtype != AUTO_COMPUTE:
         return dtype
-    from .cpu_kernels import on_cpu
-
     return "float32" if on_cpu() else None
 
 
@@ -303,13 +222,6 @@ def load_checkpoint(path: Path, *, keep_encoder: bool | None = None, compute_dty
     encoder (~225 MB in float32 for the real model) is only used to clone a voice from reference
     audio, which only Base models do: it is dropped for the others unless `keep_encoder`.
     """
-    defer_unused_imports()
-    import mlx.core as mx
-    from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
-    from mlx_audio.utils import apply_quantization, load_config, load_weights
-
-    from .cpu_kernels import on_cpu, use_fast_cpu_kernels
-
     compute_dtype = resolve_compute_dtype(compute_dtype)
     path = Path(path)
     # transformers warns "a model of type `qwen3_tts` ... of type ``" on every load of a correct
@@ -362,10 +274,28 @@ def load(source: ModelSource, *, progress: bool = True, compute_dtype: str | Non
 
 def quantized_modules(model) -> dict[str, int]:
     """Module path -> bits for every quantized module of a loaded model."""
-    import mlx.nn as nn
-
     return {
         path: m.bits
         for path, m in model.named_modules()
         if isinstance(m, nn.QuantizedLinear | nn.QuantizedEmbedding)
+    }
+
+
+def component_paths(model, component: str) -> list[str]:
+    """The quantizable module paths of a loaded model that an ablation `component` names."""
+    r = component_rule(component, 8)
+    n = model.config.talker_config.num_hidden_layers
+    return sorted(p for p, _ in quantizable_modules(model) if r.matches(p, n))
+
+
+def describe(model) -> dict:
+    """What the server and the rule book (`rules.ModelInfo`) know of a loaded model."""
+    talker = model.config.talker_config
+    return {
+        "tts_model_type": model.config.tts_model_type,
+        "tts_model_size": model.config.tts_model_size,
+        "voices": sorted((talker.spk_id or {}).keys()),
+        "languages": ["auto", *sorted((talker.codec_language_id or {}).keys())],
+        "sample_rate": model.sample_rate,
+        "can_clone": model.speech_tokenizer is not None and model.speech_tokenizer.has_encoder,
     }

@@ -28,9 +28,9 @@ import httpx
 from aiohttp import web
 from livekit import api
 
-from .keeper import CallKeeper
-from .soak_callers import CallerLoop
-from .soak_report import (
+from voice_agent.keeper import CallKeeper
+from voice_agent.soak_callers import CallerLoop
+from voice_agent.soak_report import (
     fault_phases,
     latency_summary,
     lost_turns,
@@ -38,8 +38,8 @@ from .soak_report import (
     turn_totals,
     unexplained_failures,
 )
-from .soak_services import FaultProxy, StandInLLM
-from .soak_stack import API_KEY, API_SECRET, LADDER, OPERATOR_KEY, Stack
+from voice_agent.soak_services import FaultProxy, StandInLLM
+from voice_agent.soak_stack import API_KEY, API_SECRET, LADDER, OPERATOR_KEY, Stack
 
 FAULTS = ("governor_swap", "engine_worker_kill", "llm_outage", "agent_worker_kill", "livekit_restart")
 PHRASES = ("What time is it right now?", "Can you tell me the time please?", "Hello, what time is it?")
@@ -129,10 +129,9 @@ class Soak:
     # -- setup ------------------------------------------------------------------------------------
 
     async def setup(self) -> None:
-        from qwen3_tts_engine import default_tiny_checkpoint
-
-        from .demo import load_turn_audio
-        from .speech_assets import speech_wav
+        from qwen3_tts_engine.tiny_checkpoints import default_tiny_checkpoint
+        from voice_agent.demo import load_turn_audio
+        from voice_agent.speech_assets import speech_wav
 
         await self.llm.start()
         self.proxy = await FaultProxy(f"http://127.0.0.1:{self.llm.port}").start()

@@ -1,16 +1,32 @@
 """Tiny, randomly initialised Qwen3-TTS checkpoints in the on-disk format of the real 12 Hz repos.
 
-mlx-audio loads and streams from them through its normal code path; they exist for offline tests.
+mlx-audio loads and streams from them through its normal code path; they exist for offline tests
+and the offline demo. `python -m qwen3_tts_engine.tiny_checkpoints.builder OUT [--variant ...]`
+writes one (`tiny_checkpoints.default_tiny_checkpoint` runs it so, in a child process).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import zlib
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
+from mlx_audio.lm.convert import quantize_model, save_config, save_model
+from mlx_audio.tts.models.qwen3_tts import qwen3_tts as q3
+from mlx_audio.tts.models.qwen3_tts.config import (
+    ModelConfig,
+    Qwen3TTSTokenizerConfig,
+    Qwen3TTSTokenizerDecoderConfig,
+    Qwen3TTSTokenizerEncoderConfig,
+    filter_dict_for_dataclass,
+)
+from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import Qwen3TTSSpeechTokenizer
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 VARIANTS = ("custom_voice", "base", "voice_design")
 QUANT_BITS = (4, 6, 8)
@@ -357,9 +373,6 @@ def _cluster_usage(name: str, size: int, seed: int) -> np.ndarray:
 
 
 def _random_tree(module, seed: int, dtype=None) -> dict:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     out = {}
     for name, value in tree_flatten(module.parameters()):
         arr = mx.array(_random_param(name, tuple(value.shape), seed))
@@ -415,9 +428,6 @@ def _encoder_hf_name(name: str) -> str | None:
 
 def _speech_tokenizer_weights(st_module, seed: int) -> tuple[dict, dict]:
     """(expected MLX-layout parameters, the same weights in the real PyTorch-layout file)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     # Random weights drive the vocoder into clipping; a quieter output conv gives audio with
     # a standard deviation of ~0.15 instead.
     last = len(st_module.decoder.decoder) - 1
@@ -478,8 +488,6 @@ def _speech_tokenizer_weights(st_module, seed: int) -> tuple[dict, dict]:
 
 
 def _check_round_trip(sanitized: dict, expected: dict, what: str, skip=()) -> None:
-    import mlx.core as mx
-
     missing = sorted(set(expected) - set(sanitized) - set(skip))
     extra = sorted(set(sanitized) - set(expected))
     if missing or extra:
@@ -514,8 +522,6 @@ def _text_length_eos(weights: dict, config: dict) -> None:
     Limitation: in-context cloning (a Base model given ref_audio and ref_text) puts the reference's
     codes into the prefill, where they count as generated frames: EOS comes early or at once.
     """
-    import mlx.core as mx
-
     talker = config["talker_config"]
     reserved = [_MARK, _COUNT, _SCORE]
 
@@ -571,8 +577,6 @@ def _text_length_eos(weights: dict, config: dict) -> None:
 
 
 def _train_bpe() -> tuple[dict[str, int], list[str]]:
-    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -674,18 +678,6 @@ def write_tiny_checkpoint(
     (the memory-governor tests).
     Same arguments, same bytes (mlx's global random state is advanced by module constructors).
     """
-    import mlx.core as mx
-    from mlx_audio.lm.convert import quantize_model, save_config, save_model
-    from mlx_audio.tts.models.qwen3_tts import qwen3_tts as q3
-    from mlx_audio.tts.models.qwen3_tts.config import (
-        ModelConfig,
-        Qwen3TTSTokenizerConfig,
-        Qwen3TTSTokenizerDecoderConfig,
-        Qwen3TTSTokenizerEncoderConfig,
-        filter_dict_for_dataclass,
-    )
-    from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import Qwen3TTSSpeechTokenizer
-
     eos = {False: "never", True: "random"}.get(eos, eos) if isinstance(eos, bool) else eos
     if eos not in EOS_MODES:
         raise ValueError(f"eos must be one of {EOS_MODES}, got {eos!r}")
@@ -713,7 +705,6 @@ def write_tiny_checkpoint(
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     if bits is not None:
-
         def predicate(path, module):  # mlx_audio.convert's base_quant_requirements
             return (
                 hasattr(module, "weight")
@@ -761,18 +752,15 @@ def write_tiny_checkpoint(
     return out
 
 
-TINY_WARNING = (
-    "NOTE: this is a generated tiny checkpoint with RANDOM weights: the 'voice' is noise. "
-    "Pass --model with a real Qwen3-TTS checkpoint for speech."
-)
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Write a tiny random Qwen3-TTS checkpoint.")
+    p.add_argument("out")
+    p.add_argument("--variant", default="custom_voice", choices=("custom_voice", "voice_design", "base"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eos", default="never", choices=("never", "random", "text"))
+    args = p.parse_args(argv)
+    write_tiny_checkpoint(args.out, variant=args.variant, seed=args.seed, eos=args.eos)
 
 
-def default_tiny_checkpoint(variant: str = "custom_voice") -> Path:
-    """A tiny random checkpoint built once into the cache (for demos and offline runs); its
-    utterances end by EOS after about one frame per text token, as a real model's end."""
-    from qwen3_tts_engine.models.loading import cache_root
-
-    out = cache_root() / "tiny" / f"{variant}-seed0-eos-text"
-    if not (out / "config.json").is_file():
-        write_tiny_checkpoint(out, variant=variant, seed=0, eos="text")
-    return out
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""One typed configuration an engine server is built from, and the one function that builds it.
+
+`qwen3-tts serve` fills an `EngineConfig` from its flags (`cli.py`); the benchmarks, the demo and
+the voice agent's in-process engine build theirs in code. `build_server` turns any of them into
+an `EngineServer`: the handlers (one worker process per variant), the engine that routes between
+them, the memory governor and the HTTP server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from qwen3_tts_engine.dispatch.engine import Engine
+from qwen3_tts_engine.dispatch.handler import Handler
+from qwen3_tts_engine.governor.governor import Governor
+from qwen3_tts_engine.governor.memory import MemoryProbe, detect_probe
+from qwen3_tts_engine.governor.policy import Policy
+from qwen3_tts_engine.protocol import DEFAULT_MAX_BATCH, check_compute_dtype
+from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
+
+
+@dataclass
+class GovernorConfig:
+    """The memory governor: its policy (ladder and thresholds) and how it runs."""
+
+    policy: Policy = field(default_factory=Policy)
+    memory_source: str = "auto"  # detect_probe's sources: auto, cgroup, psutil, macos
+    probe: MemoryProbe | None = None  # a probe object instead of memory_source (tests, benches)
+    interval_s: float = 1.0
+    drain_deadline_s: float | None = None
+    auto: bool = True  # False: it watches and reports, and swaps only when the operator asks
+    allow_unevaluated: Sequence[str] = ()
+    quality_budget: dict | None = None
+    quality_min_items: int = 6
+    spare_worker: bool = False
+
+
+@dataclass
+class EngineConfig:
+    """An engine server: the model, its variants and the handlers' options, the HTTP server's
+    options, and the governor (None: none runs, as in the benchmarks)."""
+
+    model: str
+    variants: Sequence[str | None] = (None,)  # loaded at start; the first serves (None: the model's own)
+    max_batch: int = DEFAULT_MAX_BATCH
+    max_queue: int = 32
+    compute_dtype: str | None = None  # None: the weights' dtype; "auto": float32 on a CPU
+    warmup: bool = True
+    server: ServerConfig = field(default_factory=ServerConfig)
+    governor: GovernorConfig | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("an engine needs a model (a hub id or a checkpoint directory)")
+        if not self.variants:
+            raise ValueError("an engine needs at least one variant (None: the model's own)")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
+        check_compute_dtype(self.compute_dtype)
+
+    def handler(self, variant: str | None) -> Handler:
+        return Handler(self.model, variant, warmup=self.warmup, max_queue=self.max_queue,
+                       max_batch=self.max_batch, compute_dtype=self.compute_dtype)  # fmt: skip
+
+
+def build_server(config: EngineConfig) -> EngineServer:
+    """An unstarted server for `config` (`await server.start()` binds, then loads the models)."""
+    engine = Engine(config.model, [config.handler(v) for v in config.variants])
+    governor = None
+    if (g := config.governor) is not None:
+        probe = g.probe if g.probe is not None else detect_probe(g.memory_source)
+        governor = Governor(engine, probe, g.policy, interval_s=g.interval_s,
+                            drain_deadline_s=g.drain_deadline_s, auto=g.auto,
+                            allow_unevaluated=g.allow_unevaluated, quality_budget=g.quality_budget,
+                            quality_min_items=g.quality_min_items, spare_worker=g.spare_worker)  # fmt: skip
+    return EngineServer(engine, config.server, governor)

@@ -1,0 +1,153 @@
+"""The operator's endpoints of an `EngineServer`: liveness and readiness for load balancers,
+the model card, the engine's status, the variant override, and Prometheus metrics."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from qwen3_tts_engine.governor.governor import SwapRecord
+from qwen3_tts_engine.models.footprint import breakdown
+from qwen3_tts_engine.protocol import (
+    EngineStatus,
+    HandlerStatus,
+    ModelCard,
+    ReadyStatus,
+    RequestError,
+    VariantChange,
+)
+from qwen3_tts_engine.serving.errors import MAPPED, error_response
+from qwen3_tts_engine.serving.speech import voice_aliases
+
+if TYPE_CHECKING:
+    from qwen3_tts_engine.serving.app import EngineServer
+
+
+class OperatorRoutes:
+    def __init__(self, server: EngineServer) -> None:
+        self.server = server
+        self._variants_seen: set[str] = set()
+        if server.governor is not None:
+            server.governor.listeners.append(self._count_swap)
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/health", self.health),
+            web.get("/ready", self.ready),
+            web.get("/v1/models", self.models),
+            web.get("/v1/engine/status", self.status),
+            web.post("/v1/engine/variant", self.set_variant),
+            web.get("/metrics", self.metrics_endpoint),
+        ]
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        h = self.server.engine.active
+        # Not ready before the governor has fixed its ladder (the quality gate hashes checkpoints).
+        started = self.server.governor is None or self.server.governor.started
+        body = ReadyStatus(ready=h.state == "ready" and self.server.engine.serving and started,
+                           variant=h.variant, state=h.state, queue_depth=h.queue_depth,
+                           swapping=self.server.governor is not None and self.server.governor.swapping is not None)
+        return web.json_response(body.to_json(), status=200 if body.ready else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        if not self.server.authorized(request):
+            return error_response(RequestError("missing or wrong bearer token", status=401))
+        info = self.server.engine.active.info
+        card = ModelCard(id=self.server.engine.model, tts_model_type=info.get("tts_model_type"),
+                         voices=info.get("voices", []), languages=info.get("languages", []),
+                         variants=list(self.server.engine.handlers),
+                         active_variant=self.server.engine.active.variant,
+                         voice_aliases=voice_aliases(self.server.engine, self.server.config))
+        return web.json_response({"object": "list", "data": [card.to_json()]})
+
+    async def status(self, request: web.Request) -> web.Response:
+        if not self.server.authorized(request):
+            return error_response(RequestError("missing or wrong bearer token", status=401))
+        handlers = []
+        for h in self.server.engine.all_handlers():
+            info = {k: v for k, v in h.info.items() if k not in ("quantized_modules", "footprint")}
+            memory = await h.memory()
+            handlers.append(HandlerStatus(
+                name=h.name, variant=h.variant, state=h.state, pid=h.pid,
+                active=h is self.server.engine.active, retiring=h in self.server.engine.retiring,
+                queue_depth=h.queue_depth, waiting=h.waiting, restarts=h.restarts,
+                last_stats=h.last_stats, memory=memory, info=info,
+                quantized_modules=len(h.info.get("quantized_modules", {})),
+                footprint=breakdown(h.info.get("footprint"), memory) if memory else {},
+                batching={**h.batching, "max_batch": h.max_batch, "in_flight": h.in_flight},
+            ))  # fmt: skip
+        governor = await self.server.governor.status() if self.server.governor is not None else None
+        status = EngineStatus(model=self.server.engine.model, active_variant=self.server.engine.active.variant,
+                              serving=self.server.engine.serving, waiting_for_swap=self.server.engine.gap_waiting,
+                              handlers=handlers, governor=governor)  # fmt: skip
+        return web.json_response(status.to_json())
+
+    async def set_variant(self, request: web.Request) -> web.Response:
+        """Operator override: swap to a variant now (pinned unless `pin` is false), or "auto"."""
+        refusal = self.server.operator_refusal(request)
+        if refusal is not None:
+            return error_response(refusal)
+        if self.server.governor is None:
+            return error_response(RequestError("this engine runs without a governor", status=409))
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error_response(RequestError("request body is not valid JSON"))
+        if not isinstance(body, dict) or not isinstance(body.get("variant"), str):
+            return error_response(RequestError("body must be {\"variant\": \"4bit\" | \"auto\", "
+                                       "\"mode\"?: ..., \"pin\"?: true}", param="variant"))  # fmt: skip
+        mode, pin = body.get("mode", "auto"), body.get("pin", True)
+        if not isinstance(pin, bool):
+            return error_response(RequestError("pin must be true or false", param="pin"))
+        try:
+            record = await self.server.governor.request(body["variant"], mode=mode, pin=pin)
+        except MAPPED as e:
+            return error_response(e)
+        except (ValueError, FileNotFoundError) as e:
+            return error_response(RequestError(str(e), param="variant"))
+        status = 200 if record is None or record.ok else 503
+        change = VariantChange(active_variant=self.server.engine.active.variant,
+                               pinned=self.server.governor.pinned,
+                               swap=record.as_dict() if record else None)
+        return web.json_response(change.to_json(), status=status)
+
+    def _count_swap(self, record: SwapRecord) -> None:
+        m = self.server.metrics
+        m.swaps.labels(record.direction, record.cause, record.mode,
+                       "ok" if record.ok else "failed").inc()  # fmt: skip
+        if record.latency_s is not None:
+            m.swap_seconds.labels(record.mode).observe(record.latency_s)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        m = self.server.metrics
+        handlers = self.server.engine.all_handlers()
+        self._variants_seen |= {str(h.variant) for h in handlers}
+        if self.server.governor is not None:  # a variant may have come and gone between two scrapes
+            self._variants_seen |= set(self.server.governor.policy.ladder)
+        for variant in self._variants_seen:  # swapped-out variants read 0, not a stale 1
+            m.active_variant.labels(variant).set(1 if variant == self.server.engine.active.variant else 0)
+            m.queue_depth.labels(variant).set(sum(h.queue_depth for h in handlers
+                                                  if str(h.variant) == variant))  # fmt: skip
+        for h in handlers:
+            for kind, value in (await h.memory()).items():
+                m.worker_memory.labels(str(h.variant), kind.removesuffix("_bytes")).set(value)
+            m.observe_batching(str(h.variant), h.in_flight, h.batching)
+        if self.server.governor is not None:
+            g = self.server.governor
+            if g.reading is not None:
+                m.memory_pressure.labels(g.reading.source).set(g.reading.pressure)
+                for kind in ("limit", "used", "available"):
+                    m.memory.labels(kind).set(getattr(g.reading, f"{kind}_bytes"))
+            if g.position is not None:
+                m.ladder_position.set(g.position)
+            for variant in g.policy.ladder:
+                if (fp := g.footprints.get(variant)) is not None:
+                    m.footprint.labels(variant).set(fp)
+        body = generate_latest(m.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,11 @@
+"""The worker process: one loaded model, mlx on the process's main thread.
+
+Everything here imports mlx (the server process never imports this package: it spawns
+`worker/main.py` by name, `dispatch/launch.py`). Importing the package first defers modules that
+mlx-audio imports and Qwen3-TTS never uses (`deferred.py`), about half of a worker's start on a
+CPU.
+"""
+
+from qwen3_tts_engine.worker.deferred import defer_unused_imports
+
+defer_unused_imports()
