@@ -373,3 +373,22 @@ async def test_first_request_to_a_real_engine_is_the_first_clause(engine):
     # emitter segment: the clause did not open a segment of its own.
     assert len({ev.segment_id for ev in events}) == 1
     assert [ev.is_final for ev in events].count(True) == 1 and events[-1].is_final
+
+
+async def test_update_options_is_typed_and_normalizes():
+    """LiveKit's style: keyword options, NOT_GIVEN leaves an option alone, a language code is
+    normalized as in the constructor, and an option the plugin does not have is a TypeError."""
+    tts = qwen3_tts.TTS(base_url="http://127.0.0.1:9", voice="ryan", seed=7)
+    try:
+        tts.update_options(voice="aiden", language="en-GB", variant="4bit")
+        opts = tts._opts
+        assert (opts.voice, opts.language, opts.variant, opts.seed) == ("aiden", "english", "4bit", 7)
+        tts.update_options(voice=None)  # None is a value (the model's first voice), not "unchanged"
+        assert tts._opts.voice is None and tts._opts.language == "english"
+        with pytest.raises(ValueError, match="language"):
+            tts.update_options(language="klingon")
+        with pytest.raises(TypeError):
+            tts.update_options(speed=1.2)
+        assert tts._opts.language == "english"
+    finally:
+        await tts.aclose()

@@ -5,12 +5,14 @@ from the `qwen3-tts-engine` package, or vLLM-Omni (`protocol="vllm-omni"`).
 """
 
 from .clauses import FirstClauseTokenizer
+from .models import TaskTypes, TTSLanguages, TTSModels, TTSVoices, Variants
 from .protocol import SAMPLE_RATE, EngineLoad
 from .tts import TTS, ChunkedStream, SentenceReport, SynthesizeStream
 from .version import __version__
 
 __all__ = ["TTS", "ChunkedStream", "SynthesizeStream", "SentenceReport", "EngineLoad",
-           "FirstClauseTokenizer", "SAMPLE_RATE", "__version__"]
+           "FirstClauseTokenizer", "SAMPLE_RATE", "TTSModels", "TTSVoices", "TTSLanguages",
+           "TaskTypes", "Variants", "__version__"]
 
 from livekit.agents import Plugin
 

@@ -15,7 +15,6 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
 import httpx
 from livekit.agents import (
@@ -28,20 +27,29 @@ from livekit.agents import (
     utils,
 )
 from livekit.agents.telemetry import tracer
-from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS
+from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, NOT_GIVEN, NotGivenOr
+from livekit.agents.utils import is_given
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
 from .clauses import FirstClauseTokenizer
 from .endpoints import Endpoint, EndpointPool
 from .log import logger
+from .models import (
+    FirstChunkFrames,
+    Protocol,
+    TaskTypes,
+    TTSLanguages,
+    TTSModels,
+    TTSVoices,
+    Variants,
+)
 from .protocol import HEADER_VARIANT, SAMPLE_RATE, error_message, normalize_language
 
 DEFAULT_URL = "http://127.0.0.1:8880"
 # The owned HTTP client's default, which bounds the `/ready` probes: a healthy engine answers at
 # once. Synthesis requests are bounded by `conn_options.timeout` alone.
 DEFAULT_TIMEOUT = httpx.Timeout(2.0)
-Protocol = Literal["qwen3-tts", "vllm-omni"]
 _TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
 
 
@@ -134,21 +142,21 @@ class TTS(tts.TTS):
         *,
         base_url: str | list[str] | None = None,
         api_key: str | None = None,
-        model: str = "qwen3-tts",
-        voice: str | None = None,
-        language: str = "auto",
+        model: TTSModels | str = "qwen3-tts",
+        voice: TTSVoices | str | None = None,
+        language: TTSLanguages | str = "auto",
         instructions: str | None = None,
         ref_audio: str | None = None,
         ref_text: str | None = None,
-        task_type: Literal["custom_voice", "voice_design", "base"] | None = None,
-        variant: str | None = None,
+        task_type: TaskTypes | None = None,
+        variant: Variants | str | None = None,
         temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
         repetition_penalty: float | None = None,
         seed: int | None = None,
         max_new_tokens: int | None = None,
-        first_chunk_frames: int = 4,
+        first_chunk_frames: FirstChunkFrames = 4,
         first_clause_min_words: int | None = 3,
         first_clause_chunk_frames: int | None = None,
         protocol: Protocol = "qwen3-tts",
@@ -215,13 +223,35 @@ class TTS(tts.TTS):
     def endpoints(self) -> EndpointPool:
         return self._pool
 
-    def update_options(self, **kw) -> None:
-        """Change any constructor option of `_TTSOptions` (voice, language, variant, seed,
-        first_clause_min_words...), checked as the constructor checks them; streams already
-        open keep the options they started with."""
-        if "language" in kw:
-            kw["language"] = normalize_language(kw["language"])
-        self._opts = replace(self._opts, **kw)
+    def update_options(
+        self,
+        *,
+        model: NotGivenOr[TTSModels | str] = NOT_GIVEN,
+        voice: NotGivenOr[TTSVoices | str | None] = NOT_GIVEN,
+        language: NotGivenOr[TTSLanguages | str] = NOT_GIVEN,
+        instructions: NotGivenOr[str | None] = NOT_GIVEN,
+        ref_audio: NotGivenOr[str | None] = NOT_GIVEN,
+        ref_text: NotGivenOr[str | None] = NOT_GIVEN,
+        task_type: NotGivenOr[TaskTypes | None] = NOT_GIVEN,
+        variant: NotGivenOr[Variants | str | None] = NOT_GIVEN,
+        temperature: NotGivenOr[float | None] = NOT_GIVEN,
+        top_k: NotGivenOr[int | None] = NOT_GIVEN,
+        top_p: NotGivenOr[float | None] = NOT_GIVEN,
+        repetition_penalty: NotGivenOr[float | None] = NOT_GIVEN,
+        seed: NotGivenOr[int | None] = NOT_GIVEN,
+        max_new_tokens: NotGivenOr[int | None] = NOT_GIVEN,
+        first_chunk_frames: NotGivenOr[FirstChunkFrames] = NOT_GIVEN,
+        first_clause_min_words: NotGivenOr[int | None] = NOT_GIVEN,
+        first_clause_chunk_frames: NotGivenOr[FirstChunkFrames | None] = NOT_GIVEN,
+        prefetch: NotGivenOr[int] = NOT_GIVEN,
+    ) -> None:
+        """Change options given here, checked as the constructor checks them (a bad value
+        raises ValueError and changes nothing); streams already open keep the options they
+        started with."""
+        changes = {k: v for k, v in locals().items() if k != "self" and is_given(v)}
+        if "language" in changes:
+            changes["language"] = normalize_language(changes["language"])
+        self._opts = replace(self._opts, **changes)
 
     def synthesize(
         self, text: str, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
