@@ -1,6 +1,9 @@
 """`qwen3-tts` command line: tiny-checkpoint, serve, variant, say, bench, demo, quantize, eval, ablate.
 
 Everything but `say --server` runs mlx-audio (installed with the package on macOS and Linux).
+Each command imports what it needs when it runs (the function-local imports below): `--help`,
+`say --server` and `variant` start without mlx, and `serve` keeps mlx out of the server process
+(its workers load it, `dispatch/launch.py`).
 """
 
 from __future__ import annotations

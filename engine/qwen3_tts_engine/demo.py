@@ -14,9 +14,11 @@ from pathlib import Path
 
 import httpx
 
+from qwen3_tts_engine.audio import write_wav
 from qwen3_tts_engine.config import EngineConfig, build_server
 from qwen3_tts_engine.protocol import HEADER_VARIANT, SAMPLE_RATE
 from qwen3_tts_engine.serving.app import ServerConfig
+from qwen3_tts_engine.tiny_checkpoints import TINY_WARNING, default_tiny_checkpoint
 
 
 async def _demo(model: str, text: str, out: Path, max_new_tokens: int | None) -> dict:
@@ -47,7 +49,6 @@ async def _demo(model: str, text: str, out: Path, max_new_tokens: int | None) ->
         total = time.perf_counter() - t1
     finally:
         await server.stop()
-    from qwen3_tts_engine.audio import write_wav
 
     write_wav(out, bytes(pcm))
     audio_s = len(pcm) / 2 / SAMPLE_RATE
@@ -60,7 +61,6 @@ async def _demo(model: str, text: str, out: Path, max_new_tokens: int | None) ->
 
 
 def run_demo(args) -> int:
-    from qwen3_tts_engine.tiny_checkpoints import TINY_WARNING, default_tiny_checkpoint
 
     model, max_new_tokens = args.model, args.max_new_tokens
     if not model:

@@ -24,11 +24,18 @@ import time
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
 import numpy as np
 
+from qwen3_tts_engine.bench.memory import real_size_dir, write_real_size_checkpoint
 from qwen3_tts_engine.config import EngineConfig, build_server
+from qwen3_tts_engine.models.checkpoints import cache_root
+from qwen3_tts_engine.models.variants import resolve
 from qwen3_tts_engine.protocol import FRAME_RATE, SpeechRequest, compute_dtype_option
 from qwen3_tts_engine.serving.app import ServerConfig
+from qwen3_tts_engine.tiny_checkpoints.builder import write_tiny_checkpoint
+from qwen3_tts_engine.worker.loading import load, resolve_compute_dtype
+from qwen3_tts_engine.worker.scheduler import Scheduler
 
 TEXTS = [
     "Streaming speech, four frames at a time.",
@@ -59,9 +66,7 @@ def _requests(n: int, frames: int, voice: str | None, repeat: int) -> list[Speec
 
 def _level(model, reqs: list[SpeechRequest], *, batch: int, decode: bool) -> dict:
     """Run `reqs` (all admitted at t=0) through one scheduler of `batch` rows."""
-    import mlx.core as mx
 
-    from qwen3_tts_engine.worker.scheduler import Scheduler
 
     scheduler = Scheduler(model, max_batch=batch)
     mx.clear_cache()
@@ -132,8 +137,6 @@ def _collect(runs: list[dict]) -> dict:
 
 def _in_process(model_path: str, levels: list[int], frames: int, repeats: int,
                 compute_dtype: str | None, codes_only: bool = False) -> dict:  # fmt: skip
-    from qwen3_tts_engine.models.variants import resolve
-    from qwen3_tts_engine.worker.loading import load
 
     model, _ = load(resolve(model_path), progress=False, compute_dtype=compute_dtype)
     voice = sorted(model.config.talker_config.spk_id or {})[0] if model.config.talker_config.spk_id else None
@@ -225,16 +228,12 @@ def _ratios(path: dict) -> dict:
 
 
 def run_concurrency_bench(args) -> int:
-    from qwen3_tts_engine.models.checkpoints import cache_root
-    from qwen3_tts_engine.tiny_checkpoints.builder import write_tiny_checkpoint
-    from qwen3_tts_engine.worker.loading import resolve_compute_dtype
 
     model = args.model
     if args.real_size and model:
         print("qwen3-tts: error: --real-size and --model name two models; give one", file=sys.stderr)
         return 2
     if args.real_size:  # the real 0.6B architecture, random weights (written once, ~2.5 GB)
-        from qwen3_tts_engine.bench.memory import real_size_dir, write_real_size_checkpoint
 
         model = str(real_size_dir())
         if not (Path(model) / "speech_tokenizer" / "config.json").is_file():

@@ -19,12 +19,22 @@ import time
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
+from mlx_audio.tts.utils import load_model
 
+from qwen3_tts_engine.bench.memory import run_memory_bench
 from qwen3_tts_engine.config import EngineConfig, build_server
 from qwen3_tts_engine.dispatch.handler import Handler, Result
 from qwen3_tts_engine.log import logger
+from qwen3_tts_engine.models.checkpoints import cache_root
+from qwen3_tts_engine.models.recipes import get_recipe
 from qwen3_tts_engine.protocol import FRAME_SAMPLES, SAMPLE_RATE, SpeechRequest
 from qwen3_tts_engine.serving.app import ServerConfig
+from qwen3_tts_engine.tiny_checkpoints.builder import write_tiny_checkpoint
+from qwen3_tts_engine.worker.cpu_kernels import on_cpu, use_fast_cpu_kernels
+from qwen3_tts_engine.worker.loading import apply_recipe
 
 TEXT = "Streaming speech, four frames at a time, as fast as the machine allows."
 
@@ -69,10 +79,7 @@ async def _variant(model: str, variant: str, repeats: int, frames_cap: int) -> d
 def _direct_first_audio(model: str, repeats: int, frames: int, queue) -> None:
     """mlx-audio's own streaming generate() in this (spawned) process's main thread, on the
     engine's CPU kernels (the ratio against it is the serving's overhead, not the kernels')."""
-    import mlx.core as mx
-    from mlx_audio.tts.utils import load_model
 
-    from qwen3_tts_engine.worker.cpu_kernels import on_cpu, use_fast_cpu_kernels
 
     with contextlib.redirect_stdout(sys.stderr):  # mlx-audio prints while loading: keep stdout JSON
         m = load_model(Path(model))
@@ -127,12 +134,7 @@ async def _server_numbers(model: str, repeats: int, frames: int, clients_levels)
 
 def real_size_weight_bytes(recipe_name: str) -> dict:
     """Weight memory of the real Qwen3-TTS 0.6B architecture (random weights, bf16 base)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
 
-    from qwen3_tts_engine.models.recipes import get_recipe
-    from qwen3_tts_engine.worker.loading import apply_recipe
 
     model = Model(ModelConfig.from_dict({"tts_model_type": "custom_voice", "tts_model_size": "0b6"}))
     model.set_dtype(mx.bfloat16)
@@ -158,8 +160,6 @@ def _in_child(target, *args):
 
 
 def run_bench(args) -> int:
-    from qwen3_tts_engine.models.checkpoints import cache_root
-    from qwen3_tts_engine.tiny_checkpoints.builder import write_tiny_checkpoint
 
     if args.model:
         model = args.model
@@ -186,7 +186,6 @@ def run_bench(args) -> int:
     report["overhead_ratio"] = server["http_first_audio_s"]["p50"] / statistics.median(direct)
 
     if args.real_size_memory:
-        from qwen3_tts_engine.bench.memory import run_memory_bench
 
         report["real_0_6b_weight_bytes"] = {}
         for v in variants:

@@ -16,8 +16,22 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
+from mlx_audio.tts.models.qwen3_tts.config import (
+    Qwen3TTSTokenizerConfig,
+    Qwen3TTSTokenizerDecoderConfig,
+    Qwen3TTSTokenizerEncoderConfig,
+)
+from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import Qwen3TTSSpeechTokenizer
+
 from qwen3_tts_engine.dispatch.handler import Handler, Result
+from qwen3_tts_engine.models.checkpoints import cache_root
+from qwen3_tts_engine.models.variants import resolve
 from qwen3_tts_engine.protocol import SpeechRequest
+from qwen3_tts_engine.tiny_checkpoints import builder as tiny
+from qwen3_tts_engine.worker.loading import prepare
 
 DEFAULT_RUNGS = ("bf16", "8bit", "4bit", "4bit-emb8", "4bit-emb4", "4bit-emb4-voc16")
 TEXT = "Memory, measured after one sentence."
@@ -31,7 +45,6 @@ _SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_atte
 
 
 def real_size_dir() -> Path:
-    from qwen3_tts_engine.models.checkpoints import cache_root
 
     return cache_root() / "real-size" / "custom_voice-0b6-seed0"
 
@@ -39,17 +52,7 @@ def real_size_dir() -> Path:
 def write_real_size_checkpoint(out: Path, seed: int = 0) -> Path:
     """A CustomVoice checkpoint with the real 0.6B sizes and random weights (bf16 talker, float32
     speech tokenizer, ~2.5 GB): the tiny checkpoint's tokenizer, ids and speakers, scaled up."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
-    from mlx_audio.tts.models.qwen3_tts.config import (
-        Qwen3TTSTokenizerConfig,
-        Qwen3TTSTokenizerDecoderConfig,
-        Qwen3TTSTokenizerEncoderConfig,
-    )
-    from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import Qwen3TTSSpeechTokenizer
 
-    from qwen3_tts_engine.tiny_checkpoints import builder as tiny
 
     config = tiny.tiny_config("custom_voice")
     real = dataclasses.asdict(ModelConfig.from_dict(
@@ -98,8 +101,6 @@ def _child(target, *args):
 
 
 def _prepare(model: str, rung: str) -> None:
-    from qwen3_tts_engine.models.variants import resolve
-    from qwen3_tts_engine.worker.loading import prepare
 
     prepare(resolve(model, rung), progress=False)
 

@@ -10,6 +10,7 @@ and at the governor's lower one (Governor.loading_nice), repeated.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import statistics
@@ -25,8 +26,10 @@ from qwen3_tts_engine.dispatch.handler import Handler
 from qwen3_tts_engine.governor.governor import LOADING_NICE, Governor, SwapRecord
 from qwen3_tts_engine.governor.memory import ManualProbe
 from qwen3_tts_engine.governor.policy import BREAK_BEFORE_MAKE, MAKE_BEFORE_BREAK, Policy
+from qwen3_tts_engine.models.checkpoints import cache_root
 from qwen3_tts_engine.protocol import CHUNK_FRAMES, FRAME_SAMPLES, HEADER_VARIANT
 from qwen3_tts_engine.serving.app import ServerConfig
+from qwen3_tts_engine.tiny_checkpoints.builder import write_tiny_checkpoint
 
 LONG_FRAMES = 48  # the utterance that is speaking while the swap happens (12 chunks, ~2 s of
 # synthesis here: it overlaps the new worker's start-up, load and warm-up)
@@ -236,8 +239,6 @@ def run_swap_bench(args) -> int:
 
 
 def _model(path: str | None) -> str:
-    from qwen3_tts_engine.models.checkpoints import cache_root
-    from qwen3_tts_engine.tiny_checkpoints.builder import write_tiny_checkpoint
 
     model = path or str(cache_root() / "tiny" / "custom_voice-8layers-seed0")
     if not path and not (Path(model) / "config.json").is_file():
@@ -286,7 +287,6 @@ def run_nice_comparison(model: str | None, repeats: int, nices: tuple[int, ...],
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
 
     p = argparse.ArgumentParser(description=run_nice_comparison.__doc__)
     p.add_argument("--model")

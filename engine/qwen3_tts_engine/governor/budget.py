@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+import yaml
+
 SCHEMA = "qwen3-tts-quality/1"
 
 # name -> (label, unit / what it measures, higher_is_better); the order is the chart order
@@ -60,8 +62,6 @@ def evaluate_budget(metrics: dict, budget: dict) -> list[str]:
 
 def load_budget(path: Path) -> dict:
     """A budget file (YAML or JSON): metric name -> {max: x} and/or {min: x}, checked."""
-    import yaml
-
     try:
         text = path.read_text()
         data = yaml.safe_load(text) if path.suffix in (".yaml", ".yml") else json.loads(text)

@@ -13,8 +13,10 @@ import hashlib
 import json
 from pathlib import Path
 
+from qwen3_tts_engine.governor.budget import evaluate_budget
 from qwen3_tts_engine.models.checkpoints import cache_root, recipe_digest, source_digest
-from qwen3_tts_engine.models.recipes import Recipe, get_recipe
+from qwen3_tts_engine.models.recipes import Recipe, get_recipe, recipe_from_dict
+from qwen3_tts_engine.models.variants import resolve, resolve_model
 
 
 def reports_root() -> Path:
@@ -26,8 +28,6 @@ def model_key(model: str | Path) -> str:
     path = Path(model).expanduser()
     if (path / "config.json").is_file():
         return source_digest(path)[:16]
-    from qwen3_tts_engine.models.variants import resolve_model
-
     try:
         name = resolve_model(str(model)).name  # Qwen/X and mlx-community/X are one model
     except ValueError:
@@ -41,8 +41,6 @@ def verdict_path(model: str | Path, recipe: Recipe) -> Path:
 
 def store(report: dict, report_json: Path, model: str | Path) -> list[Path]:
     """Store a verdict for every round-to-nearest candidate of `report` (what the engine loads)."""
-    from qwen3_tts_engine.models.recipes import recipe_from_dict
-
     written = []
     for c in report["candidates"]:
         if c["method"] != "rtn" or not c.get("recipe"):
@@ -73,8 +71,6 @@ def lookup(model: str | Path, recipe: Recipe) -> dict | None:
 def verdict_failures(verdict: dict, budget: dict | None, min_items: int) -> list[str]:
     """Why a stored verdict does not pass here: its own failures, the engine's budget (which may
     be stricter than the one it was evaluated with), or too few evaluated items."""
-    from qwen3_tts_engine.governor.budget import evaluate_budget
-
     failures = list(verdict["failures"])
     if budget is not None:
         failures += [f for f in evaluate_budget(verdict["metrics"], budget) if f not in failures]
@@ -104,8 +100,6 @@ def check_rung(model: str | Path, variant: str, *, start: str | None = None,
         accepted, why = False, f"no quality report (run: qwen3-tts eval --reference {model} --candidates {variant})"
     check = {"variant": variant, "accepted": accepted, "why": why, "report": verdict}
     if verdict is not None and not Path(str(model)).expanduser().is_dir():
-        from qwen3_tts_engine.models.variants import resolve
-
         if resolve(str(model), variant).quantize_with is None:
             check["note"] = ("the report measured round-to-nearest of the bf16 weights; this rung "
                              "loads the published repo, made the same way by mlx-audio's converter")  # fmt: skip

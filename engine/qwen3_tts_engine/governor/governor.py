@@ -20,6 +20,8 @@ from pathlib import Path
 from qwen3_tts_engine.dispatch.engine import Engine
 from qwen3_tts_engine.dispatch.handler import Handler, HandlerError
 from qwen3_tts_engine.dispatch.spare import SpareWorker
+from qwen3_tts_engine.governor.budget import DEFAULT_BUDGET
+from qwen3_tts_engine.governor.gate import check_rung
 from qwen3_tts_engine.governor.memory import MemoryProbe, MemoryReading, detect_probe
 from qwen3_tts_engine.governor.policy import (
     BREAK_BEFORE_MAKE,
@@ -197,11 +199,7 @@ class Governor:
             await asyncio.gather(*self._retiring, return_exceptions=True)
 
     def _passes_gate(self, variant: str, start: str) -> bool:
-        from qwen3_tts_engine.governor.gate import check_rung
-
-        budget = self.quality_budget
-        if budget is None:
-            from qwen3_tts_engine.governor.budget import DEFAULT_BUDGET as budget
+        budget = self.quality_budget if self.quality_budget is not None else DEFAULT_BUDGET
         check = check_rung(self.engine.model, variant, start=start, consent=self.allow_unevaluated,
                            budget=budget, min_items=self.quality_min_items)  # fmt: skip
         self.rung_checks[variant] = check

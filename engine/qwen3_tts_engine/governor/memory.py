@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+import psutil
+
 # cgroup v1 writes "no limit" as LONG_MAX rounded down to a page; anything this large is none.
 _UNLIMITED = 1 << 60
 SOURCES = ("auto", "cgroup-v2", "cgroup-v1", "system", "macos")
@@ -198,8 +200,6 @@ class SystemProbe:
     source = "system"
 
     def read(self) -> MemoryReading:
-        import psutil
-
         vm = psutil.virtual_memory()
         return MemoryReading(self.source, vm.total, vm.total - vm.available)
 

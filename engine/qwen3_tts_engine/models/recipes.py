@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import yaml
+
 VALID_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs in "affine" mode
 VALID_GROUP_SIZES = (32, 64, 128)
 # The speech tokenizer ships in float32; a recipe may load its decoder (the vocoder) in 16 bits.
@@ -284,8 +286,6 @@ def load_recipe(spec: str) -> Recipe:
     text = path.read_text()
     try:
         if path.suffix in (".yaml", ".yml"):
-            import yaml
-
             data = yaml.safe_load(text)
         else:
             data = json.loads(text)

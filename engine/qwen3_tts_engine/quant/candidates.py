@@ -11,7 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlx.utils import tree_flatten
+
 from qwen3_tts_engine.models.recipes import Recipe, recipe_to_dict
+from qwen3_tts_engine.quant.gptq import apply_gptq, get_module, set_module
 from qwen3_tts_engine.worker.loading import (
     apply_recipe,
     component_paths,
@@ -56,7 +59,6 @@ def load_dir(path: Path):
 
 def graft(model, donor, paths) -> None:
     """Replace `model`'s modules at `paths` by the donor's (same architecture)."""
-    from qwen3_tts_engine.quant.gptq import get_module, set_module
 
     for p in paths:
         set_module(model, p, get_module(donor, p))
@@ -64,7 +66,6 @@ def graft(model, donor, paths) -> None:
 
 def weight_bytes(model) -> int:
     """Bytes of the weights a recipe can change: everything but the vocoder and speaker encoder."""
-    from mlx.utils import tree_flatten
 
     return sum(v.nbytes for k, v in tree_flatten(model.parameters())
                if not k.startswith(("speech_tokenizer", "speaker_encoder")))  # fmt: skip
@@ -96,7 +97,6 @@ def build(
     details: dict = {}
     skip: frozenset[str] = frozenset()
     if candidate.method == "gptq":
-        from qwen3_tts_engine.quant.gptq import apply_gptq
 
         if calibrate is None:
             raise ValueError("GPTQ needs calibration data")

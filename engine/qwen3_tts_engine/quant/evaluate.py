@@ -10,21 +10,32 @@ run from other seeds.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from qwen3_tts_engine.governor.budget import DEFAULT_BUDGET, SCHEMA, evaluate_budget
 from qwen3_tts_engine.log import logger
 from qwen3_tts_engine.models.checkpoints import source_digest
 from qwen3_tts_engine.protocol import SpeechRequest
+from qwen3_tts_engine.quant.audio_metrics import (
+    character_error_rate,
+    log_mel_distance,
+    mrstft_distance,
+    speech_fraction,
+    transcribe,
+)
 from qwen3_tts_engine.quant.candidates import Candidate, build, load_dir, weight_bytes
 from qwen3_tts_engine.quant.forced import Forced, compare_forced, teacher_forced
 from qwen3_tts_engine.quant.free_running import compare_runs, generate_codes
-from qwen3_tts_engine.quant.stats import bootstrap_ci
+from qwen3_tts_engine.quant.stats import bootstrap_ci, paired_bootstrap
+from qwen3_tts_engine.worker.synthesis import one_shot_decode
 
 # Short, varied English sentences; calibration texts are disjoint from evaluation texts.
 EVAL_TEXTS = (
@@ -130,7 +141,6 @@ class Reference:
 
     def calibrate(self, model) -> None:
         """Forward passes along the calibration codes (GPTQ records each layer's inputs)."""
-        import mlx.core as mx
 
         for req, codes in self.calibration():
             out = teacher_forced(model, req, codes)
@@ -188,15 +198,12 @@ def versions() -> dict:
 
 
 def decode(model, codes: np.ndarray) -> np.ndarray:
-    from qwen3_tts_engine.worker.synthesis import one_shot_decode
 
     return one_shot_decode(model, codes) if len(codes) else np.zeros(0, np.float32)
 
 
 def same_decoder(a, b) -> bool:
     """True when both models' vocoders have bit-identical weights (recipes never touch it)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
 
     pa = dict(tree_flatten(a.speech_tokenizer.parameters()))
     pb = dict(tree_flatten(b.speech_tokenizer.parameters()))
@@ -204,11 +211,6 @@ def same_decoder(a, b) -> bool:
 
 
 def _free_audio(audio: np.ndarray, text: str, rate: int) -> dict:
-    from qwen3_tts_engine.quant.audio_metrics import (
-        character_error_rate,
-        speech_fraction,
-        transcribe,
-    )
 
     silent = len(audio) == 0 or speech_fraction(audio, rate) < SILENT_BELOW
     return {"silence_rate": float(silent),
@@ -217,7 +219,6 @@ def _free_audio(audio: np.ndarray, text: str, rate: int) -> dict:
 
 def audio_metrics(model, item: Item, codes: np.ndarray, decoder_identical: bool, rate: int) -> dict:
     """Silence and CER of the candidate's own run; decoder distances on the reference's codes."""
-    from qwen3_tts_engine.quant.audio_metrics import log_mel_distance, mrstft_distance
 
     row = _free_audio(decode(model, codes), item.req.input, rate)
     if decoder_identical:  # same weights, same codes: the audio is identical by construction
@@ -308,7 +309,6 @@ def evaluate(
 def compare_gptq(report: dict, n_boot: int = 2000) -> None:
     """Each GPTQ candidate against the round-to-nearest one of the same recipe, paired per item:
     the difference of the KLs with its interval, and a verdict that says by how much."""
-    from qwen3_tts_engine.quant.stats import paired_bootstrap
 
     rtn = {json_key(c["recipe"]): c for c in report["candidates"] if c["method"] == "rtn"}
     for c in report["candidates"]:
@@ -331,6 +331,5 @@ def compare_gptq(report: dict, n_boot: int = 2000) -> None:
 
 
 def json_key(value) -> str:
-    import json
 
     return json.dumps(value, sort_keys=True)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from tqdm import tqdm
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -232,7 +233,6 @@ def apply_gptq(
     unquantized model in one calibration pass: no sequential re-calibration after each layer
     (the paper's variant), so later layers do not see the earlier layers' quantization error.
     """
-    from tqdm import tqdm
 
     recorders = attach_recorders(model, paths)
     try:

@@ -9,6 +9,7 @@ as each is made) and `operator.py` (`/health`, `/ready`, `/v1/models`, `/v1/engi
 from __future__ import annotations
 
 import asyncio
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from qwen3_tts_engine.serving.auth import authorized, carries, exposure_problem
 from qwen3_tts_engine.serving.metrics import Metrics
 from qwen3_tts_engine.serving.operator import OperatorRoutes
 from qwen3_tts_engine.serving.speech import SpeechRoutes
+from qwen3_tts_engine.serving.tracing import configure_from_env
 
 
 class InsecureServerError(ValueError):
@@ -129,10 +131,6 @@ class EngineServer:
 async def serve_forever(server: EngineServer) -> None:
     """Run until SIGTERM/SIGINT, then stop the handlers (their workers exit). Traces go to the
     OTLP endpoint in the environment, if one is set (flushed at the end)."""
-    import signal
-
-    from qwen3_tts_engine.serving.tracing import configure_from_env
-
     provider = configure_from_env()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

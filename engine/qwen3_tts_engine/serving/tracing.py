@@ -30,6 +30,7 @@ def configure_from_env(service_name: str = "qwen3-tts-engine"):
     """
     if not any(os.environ.get(k) for k in ENDPOINT_ENV):
         return None
+    # the SDK and an exporter only where tracing is configured (start-up time; gRPC is optional)
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
