@@ -7,8 +7,13 @@ from pathlib import Path
 
 import pytest
 
+from qwen3_tts_engine.fast_blas import use_fast_blas
+
 os.environ.setdefault("LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Tests run mlx in this process too (on the main thread): OpenBLAS before any test module
+# imports mlx, as every `qwen3-tts` command and worker process loads it (fast_blas.py).
+use_fast_blas()
 
 
 @pytest.fixture(scope="session", autouse=True)

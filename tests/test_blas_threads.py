@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from qwen3_tts_engine.models import blas_threads as bt
+from qwen3_tts_engine.worker import blas_threads as bt
 
 
 def _threads() -> int:
@@ -50,7 +50,7 @@ def test_the_tiny_checkpoints_steps_evaluate_on_one_thread(openblas, tiny_checkp
     """Where the step's graph is evaluated (mx.eval, .item()), not only where it is built."""
     from qwen3_tts_engine.models.variants import resolve
     from qwen3_tts_engine.protocol import SpeechRequest
-    from qwen3_tts_engine.runtime import scheduler as sched
+    from qwen3_tts_engine.worker import scheduler as sched
     from qwen3_tts_engine.worker.loading import load
 
     model, _ = load(resolve(str(tiny_checkpoint("custom_voice"))), progress=False)

@@ -12,10 +12,10 @@ from qwen3_tts_engine.models.components import (
     everything,
     only,
     protect,
-    rule,
 )
 from qwen3_tts_engine.models.recipes import (
     RECIPES,
+    component_rule,
     load_recipe,
     quantization_plan,
     recipe_from_dict,
@@ -137,7 +137,7 @@ def test_load_recipe_errors(tmp_path):
         load_recipe(str(bad))
     assert load_recipe("talker-mlp-w4") is RECIPES["talker-mlp-w4"]
     with pytest.raises(ValueError, match="unknown component"):
-        rule("nothing", 4)
+        component_rule("nothing", 4)
 
 
 def test_an_ablation_of_linear_components_leaves_the_embeddings_out():

@@ -13,7 +13,7 @@ from mlx.utils import tree_flatten
 from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import Qwen3TTSSpeechTokenizerDecoder
 
 from qwen3_tts_engine.models.variants import resolve
-from qwen3_tts_engine.runtime import vocoder
+from qwen3_tts_engine.worker import vocoder
 from qwen3_tts_engine.worker.loading import load
 from qwen3_tts_engine.worker.vocoder import (
     decode_step,

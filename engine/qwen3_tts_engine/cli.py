@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from qwen3_tts_engine.audio import pcm16, write_wav
+from qwen3_tts_engine.fast_blas import use_fast_blas
 from qwen3_tts_engine.protocol import (
     COMPUTE_CHOICES,
     DEFAULT_MAX_BATCH,
@@ -485,11 +486,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Commands that run no mlx in this process (`say --server` neither, but loading OpenBLAS costs
+# it nothing it would notice).
+SERVER_SIDE_COMMANDS = ("serve", "variant")
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("QWEN3_TTS_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     args = build_parser().parse_args(argv)
+    if args.command not in SERVER_SIDE_COMMANDS:
+        use_fast_blas()  # before a command imports mlx (fast_blas.py); serve's workers load it themselves
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

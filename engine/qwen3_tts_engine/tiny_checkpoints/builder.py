@@ -13,8 +13,13 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
+
+from qwen3_tts_engine.fast_blas import use_fast_blas
+
+use_fast_blas()  # before mlx loads (fast_blas.py)
+
+import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_audio.lm.convert import quantize_model, save_config, save_model
 from mlx_audio.tts.models.qwen3_tts import qwen3_tts as q3
