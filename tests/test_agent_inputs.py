@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from voice_agent.cli import build_parser
-from voice_agent.conversation import TurnFailed
-from voice_agent.demo import (
+from voice_agent.harness.conversation import TurnFailed
+from voice_agent.harness.demo import (
     INPUT_RATE,
     TurnAudioError,
     check_output,
@@ -28,11 +28,11 @@ from voice_agent.demo import (
     load_turn_audio,
     run_turns,
 )
+from voice_agent.harness.openai_stand_in import ScriptedChatServer
+from voice_agent.harness.speech_assets import speech_wav
 from voice_agent.settings import Settings, WebSettings, from_args
-from voice_agent.speech_assets import speech_wav
 
 from .engine_process import free_port
-from .openai_server import ScriptedChatServer
 
 EXE = str(Path(sys.executable).with_name("voice-agent"))
 

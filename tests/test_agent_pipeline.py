@@ -14,14 +14,14 @@ import httpx
 import numpy as np
 import pytest
 
-from voice_agent.demo import load_turn_audio, run_turns
-from voice_agent.local_services import ensure_llm
+from voice_agent.harness.demo import load_turn_audio, run_turns
+from voice_agent.harness.openai_stand_in import ScriptedChatServer
+from voice_agent.harness.speech_assets import speech_wav
 from voice_agent.pipeline import APOLOGY, VoiceAgent
+from voice_agent.services import ensure_llm
 from voice_agent.settings import Settings
-from voice_agent.speech_assets import speech_wav
 
 from .engine_process import free_port
-from .openai_server import ScriptedChatServer
 
 pytestmark = pytest.mark.slow
 # The engine's checkpoint ends each sentence by EOS (about one frame per text token), as a real

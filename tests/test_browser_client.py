@@ -33,12 +33,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from livekit import api
 
 from voice_agent import web_client
+from voice_agent.harness.openai_stand_in import ScriptedChatServer
+from voice_agent.harness.speech_assets import pad_silence, read_wav, speech_wav
 from voice_agent.settings import WebSettings
-from voice_agent.speech_assets import pad_silence, read_wav, speech_wav
 
 from .engine_process import EngineProcess, free_port
 from .livekit_server import livekit_server  # noqa: F401 (the fixture)
-from .openai_server import ScriptedChatServer
 from .test_livekit_call import QUESTION, _delete_room, _start_worker, _stop_worker, _until
 
 pytestmark = pytest.mark.filterwarnings("ignore:The HMAC key is .* bytes long")  # devkey/secret

@@ -25,7 +25,7 @@ from livekit.plugins import faster_whisper
 from livekit.plugins.faster_whisper import agreement
 from livekit.plugins.faster_whisper import stt as stt_module
 from livekit.plugins.faster_whisper.agreement import StreamingOptions, UtteranceTracker, Word
-from voice_agent.speech_assets import pad_silence, speech_samples
+from voice_agent.harness.speech_assets import pad_silence, speech_samples
 
 pytestmark = pytest.mark.usefixtures("fail_on_leaked_tasks")  # no task of the plugin outlives a test
 

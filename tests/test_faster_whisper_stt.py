@@ -24,7 +24,7 @@ from livekit.plugins import faster_whisper, silero
 
 from livekit.plugins.faster_whisper import models
 from livekit.plugins.faster_whisper.stt import to_whisper_audio
-from voice_agent.speech_assets import pad_silence, speech_samples
+from voice_agent.harness.speech_assets import pad_silence, speech_samples
 
 pytestmark = [
     pytest.mark.skipif(

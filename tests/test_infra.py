@@ -30,8 +30,14 @@ import pytest
 import yaml
 from google.protobuf.json_format import ParseDict, ParseError
 
+from voice_agent.harness.livekit_server import (
+    LiveKitServer,
+    find_binary,
+    free_udp_port,
+    stop_server,
+)
+
 from .engine_process import free_port
-from .livekit_server import LiveKitServer, find_binary, free_udp_port, stop_server
 
 REPO = Path(__file__).resolve().parent.parent
 INFRA = REPO / "infra"
@@ -104,9 +110,9 @@ def serve_args(command: list[str]):
 
 
 def policy_for(args):
-    from qwen3_tts_engine.cli import _policy
+    from qwen3_tts_engine.cli import engine_config
 
-    return _policy(args)
+    return engine_config(args).governor.policy
 
 
 def check_engine_memory(limit: int, args) -> None:

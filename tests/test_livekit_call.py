@@ -17,16 +17,16 @@ import time
 import uuid
 from pathlib import Path
 
-import numpy as np
 import pytest
-from livekit import api, rtc
+from livekit import api
 
-from voice_agent.demo import load_turn_audio
-from voice_agent.speech_assets import speech_wav
+from voice_agent.harness.caller import RATE, SILENT_PEAK, Caller
+from voice_agent.harness.demo import load_turn_audio
+from voice_agent.harness.openai_stand_in import ScriptedChatServer
+from voice_agent.harness.speech_assets import speech_wav
 
 from .engine_process import EngineProcess, free_port
 from .livekit_server import livekit_server  # noqa: F401 (the fixture)
-from .openai_server import ScriptedChatServer
 from .otlp_collector import OTLPCollector
 from .test_observability_infra import dashboard_metric_names
 
@@ -36,9 +36,6 @@ pytestmark = [
 ]  # devkey/secret
 QUESTION = "What time is it right now?"
 WAIT = 120.0  # every wait in this test is bounded by this
-RATE, FRAME = 48000, 480  # 10 ms frames
-SILENT_PEAK = 64  # int16 peak at or below which a frame counts as silence
-TOPIC = "lk.transcription"
 
 
 async def _until(cond, what: str, timeout: float = WAIT, alive=None) -> float:
@@ -84,100 +81,6 @@ def _start_worker(env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen
     with open(log, "wb") as fh:  # cwd: a temporary folder, so no .env of the repo is read
         return subprocess.Popen([exe, "start", "--log-level", "INFO"], cwd=cwd, env=env,
                                 stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-
-
-class Caller:
-    """A participant that speaks into a microphone track and records what comes back."""
-
-    def __init__(self, identity: str) -> None:
-        self.identity = identity
-        self.room = rtc.Room()
-        self.source = rtc.AudioSource(RATE, 1, queue_size_ms=100)
-        self.mic_sid: str | None = None
-        self.transcripts: list[tuple[str, dict[str, str], str]] = []  # (sender, attributes, text)
-        self.agent_frames: list[tuple[float, int]] = []  # (monotonic time, peak)
-        self.speech_end: float | None = None
-        self._speech: np.ndarray | None = None
-        self._tasks: set[asyncio.Task] = set()
-        self.room.on("track_subscribed", self._on_track)
-        self.room.register_text_stream_handler(TOPIC, self._on_text)
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _on_track(self, track: rtc.Track, pub, participant: rtc.RemoteParticipant) -> None:
-        if track.kind == rtc.TrackKind.KIND_AUDIO:
-            self._spawn(self._receive(track))
-
-    async def _receive(self, track: rtc.Track) -> None:
-        async for ev in rtc.AudioStream(track, sample_rate=RATE, num_channels=1):
-            samples = np.frombuffer(bytes(ev.frame.data), np.int16)
-            peak = int(np.abs(samples.astype(np.int32)).max()) if samples.size else 0
-            self.agent_frames.append((time.monotonic(), peak))
-
-    def _on_text(self, reader: rtc.TextStreamReader, sender: str) -> None:
-        async def read() -> None:
-            text = await reader.read_all()
-            self.transcripts.append((sender, dict(reader.info.attributes or {}), text))
-
-        self._spawn(read())
-
-    def user_transcript(self) -> str:
-        mine = [t for sender, attrs, t in self.transcripts
-                if sender == self.identity or attrs.get("lk.transcribed_track_id") == self.mic_sid]  # fmt: skip
-        return " ".join(mine)
-
-    def agent_transcript(self) -> str:
-        return " ".join(t for sender, attrs, t in self.transcripts
-                        if sender != self.identity and attrs.get("lk.transcribed_track_id") != self.mic_sid)  # fmt: skip
-
-    def agent(self) -> rtc.RemoteParticipant | None:
-        for p in self.room.remote_participants.values():
-            if p.kind == rtc.ParticipantKind.PARTICIPANT_KIND_AGENT:
-                return p
-        return None
-
-    async def join(self, url: str, token: str) -> None:
-        await self.room.connect(url, token)
-        track = rtc.LocalAudioTrack.create_audio_track("microphone", self.source)
-        opts = rtc.TrackPublishOptions(source=rtc.TrackSource.SOURCE_MICROPHONE)
-        pub = await self.room.local_participant.publish_track(track, opts)
-        self.mic_sid = pub.sid
-        self._spawn(self._microphone())
-
-    def say(self, samples: np.ndarray) -> None:
-        self._speech = samples
-
-    async def _microphone(self) -> None:
-        """10 ms frames paced in real time: silence, or the speech given to `say`."""
-        silence = np.zeros(FRAME, np.int16)
-        start, n = time.monotonic(), 0
-        while True:
-            speech, self._speech = self._speech, None
-            if speech is not None:
-                for i in range(0, len(speech), FRAME):
-                    chunk = speech[i : i + FRAME]
-                    chunk = np.pad(chunk, (0, FRAME - len(chunk))) if len(chunk) < FRAME else chunk
-                    await self._capture(chunk, start, n)
-                    n += 1
-                self.speech_end = time.monotonic() + self.source.queued_duration
-            await self._capture(silence, start, n)
-            n += 1
-
-    async def _capture(self, chunk: np.ndarray, start: float, n: int) -> None:
-        await self.source.capture_frame(rtc.AudioFrame(chunk.tobytes(), RATE, 1, FRAME))
-        delay = start + (n + 1) * FRAME / RATE - time.monotonic()
-        if delay > 0:
-            await asyncio.sleep(delay)
-
-    async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.room.disconnect()
-        await self.source.aclose()
 
 
 async def test_call_through_a_livekit_server(livekit_server, tiny_checkpoint, tmp_path,  # noqa: F811

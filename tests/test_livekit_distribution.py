@@ -21,14 +21,14 @@ import pytest
 from aiohttp import web
 from livekit import api, rtc
 
-from voice_agent.demo import load_turn_audio
+from voice_agent.harness.demo import load_turn_audio
+from voice_agent.harness.openai_stand_in import ScriptedChatServer
+from voice_agent.harness.speech_assets import speech_wav
 from voice_agent.keeper import CallKeeper
 from voice_agent.recovery import history_from_metadata
-from voice_agent.speech_assets import speech_wav
 
 from .engine_process import EngineProcess, free_port
 from .livekit_server import livekit_server  # noqa: F401 (the fixture)
-from .openai_server import ScriptedChatServer
 from .test_livekit_call import (
     QUESTION,
     RATE,

@@ -8,7 +8,7 @@ offline) and the model the bundled tiny.en.
 Kept, with every assertion: test_recognize (a FINAL_TRANSCRIPT within WER 0.25) and test_stream
 (START_OF_SPEECH / END_OF_SPEECH alternate, finals are tagged English, at least one final, WER
 <= 0.25, all within 60 s; a non-streaming STT is skipped, as upstream skips those).
-Changed: the WER is the project's (`voice_agent.turn_bench.word_error_rate`: case and punctuation
+Changed: the WER is the project's (`voice_agent.lab.turn_bench.word_error_rate`: case and punctuation
 ignored) instead of jiwer's, which is not a dependency here; the speech is 24 kHz as upstream's
 (`SAMPLE_RATE`), one ~5 s sentence instead of upstream's long recording.
 Dropped: the per-provider lists and their skips, `job_process` and `.env` loading (no cloud
@@ -30,8 +30,8 @@ from livekit.agents import stt
 from livekit.agents.stt.stt import STT, RecognizeStream, SpeechEvent
 from livekit.plugins import faster_whisper, silero
 
-from voice_agent.speech_assets import pad_silence, speech_samples
-from voice_agent.turn_bench import word_error_rate
+from voice_agent.harness.speech_assets import pad_silence, speech_samples
+from voice_agent.lab.turn_bench import word_error_rate
 
 pytestmark = [
     pytest.mark.skipif(

@@ -123,7 +123,7 @@ def test_two_workers_share_one_engine_that_outlives_its_starter(livekit_server, 
 
 USER = """
 import json, sys
-from voice_agent.local_services import ensure_tts_engine
+from voice_agent.services import ensure_tts_engine
 from voice_agent.settings import Settings
 service = ensure_tts_engine(Settings(tts_model=sys.argv[1], tts_port=int(sys.argv[2]), offline=True))
 print(json.dumps({"started": service.proc is not None, "url": service.url}), flush=True)

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from voice_agent import local_services
-from voice_agent.local_services import newest_progress
-from voice_agent.speech_assets import choose_speech_tool, read_wav, speech_wav
+from voice_agent.harness.speech_assets import choose_speech_tool, read_wav, speech_wav
+from voice_agent.services import download_llm, newest_progress
+from voice_agent.services.progress import wait_until_ready
 
 REPO = Path(__file__).resolve().parents[1]
 BASH = shutil.which("bash") or "/bin/bash"
@@ -260,7 +260,7 @@ def test_an_unknown_speech_tool_is_refused(monkeypatch):
 def test_the_demo_question_through_say_is_real_speech_and_cached(tmp_path, monkeypatch, bundled_path):
     from faster_whisper import WhisperModel
 
-    from voice_agent.demo import INPUT_RATE, load_turn_audio
+    from voice_agent.harness.demo import INPUT_RATE, load_turn_audio
 
     bin_dir, log = _stand_in_say(tmp_path)
     monkeypatch.setenv("PATH", str(bin_dir))  # say only: no espeak-ng, no sox, no afconvert
@@ -381,8 +381,8 @@ def test_a_service_drawing_progress_is_waited_for_past_the_timeout(tmp_path, mon
     try:
         t0 = time.monotonic()
         drawing.start()
-        local_services._wait(f"http://127.0.0.1:{port}/", proc, "the local TTS engine", 2.0, log,
-                             port, offset)  # fmt: skip
+        wait_until_ready(f"http://127.0.0.1:{port}/", proc, "the local TTS engine", 2.0, log,
+                         port, offset)  # fmt: skip
         assert time.monotonic() - t0 > 2.0
     finally:
         drawing.join(65)
@@ -399,8 +399,8 @@ def test_a_silent_service_still_times_out(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         with pytest.raises(TimeoutError, match="did not answer .* within 1s without progress"):
-            local_services._wait(f"http://127.0.0.1:{_free_port()}/", proc, "the local LLM", 0.6,
-                                 log, 1)  # fmt: skip
+            wait_until_ready(f"http://127.0.0.1:{_free_port()}/", proc, "the local LLM", 0.6,
+                             log, 1)  # fmt: skip
     finally:
         proc.kill()
         proc.wait()
@@ -421,8 +421,8 @@ def test_the_llm_download_uses_the_hub_cache_first(tmp_path, monkeypatch):
     terminal = _Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
 
-    local_services.download_llm("mlx-community/Qwen3-0.6B-4bit")
+    download_llm("mlx-community/Qwen3-0.6B-4bit")
     assert terminal.getvalue() == ""  # cached: no download line
     with pytest.raises(RuntimeError, match="cannot download 'mlx-community/Qwen3-1.7B-4bit'.*LLM_MODEL"):
-        local_services.download_llm("mlx-community/Qwen3-1.7B-4bit")
+        download_llm("mlx-community/Qwen3-1.7B-4bit")
     assert "downloading the LLM mlx-community/Qwen3-1.7B-4bit" in terminal.getvalue()

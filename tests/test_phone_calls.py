@@ -22,13 +22,13 @@ import httpx
 import pytest
 from livekit import api, rtc
 
-from voice_agent.demo import load_turn_audio
-from voice_agent.phone_line import phone_line_wav
+from voice_agent.harness.demo import load_turn_audio
+from voice_agent.harness.openai_stand_in import ScriptedChatServer
+from voice_agent.harness.phone_line import phone_line_wav
+from voice_agent.harness.speech_assets import speech_wav
 from voice_agent.settings import Settings, parse_dtmf_actions
-from voice_agent.speech_assets import speech_wav
 from voice_agent.telephony import TRANSFER_FAILED, PhoneCaller, digits_as_text
 
-from .openai_server import ScriptedChatServer
 from .test_livekit_call import RATE, SILENT_PEAK, Caller, _until
 
 pytestmark = [pytest.mark.filterwarnings("ignore:The HMAC key is .* bytes long")]

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from livekit import rtc
 
-from voice_agent.phone_line import LINE_RATE, phone_line_wav
-from voice_agent.speech_assets import read_audio, speech_wav
-from voice_agent.turn_bench import word_error_rate
+from voice_agent.harness.phone_line import LINE_RATE, phone_line_wav
+from voice_agent.harness.speech_assets import read_audio, speech_wav
+from voice_agent.lab.turn_bench import word_error_rate
 
 SENTENCES = (
     "What time is it right now?",

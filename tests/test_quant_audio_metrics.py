@@ -91,7 +91,7 @@ def test_resample_keeps_duration_and_tone():
 
 @needs_espeak
 def test_transcribe_and_speech_fraction_on_espeak_speech():
-    from voice_agent.speech_assets import speech_samples
+    from voice_agent.harness.speech_assets import speech_samples
 
     speech = am.as_float_audio(speech_samples(SENTENCE, sample_rate=RATE))
     text = am.transcribe(speech, RATE)

@@ -271,7 +271,7 @@ def test_a_foreign_server_on_the_port_is_a_clear_error(tmp_path, make_env, tiny_
 
 USER = """
 import json, sys
-from voice_agent.local_services import ensure_llm
+from voice_agent.services import ensure_llm
 from voice_agent.settings import Settings
 service = ensure_llm(Settings(llm_model=sys.argv[1], llm_port=int(sys.argv[2]), offline=True))
 print(json.dumps({"started": service.proc is not None, "model": service.model}), flush=True)
@@ -283,7 +283,7 @@ service.stop()
 def test_our_own_llm_server_is_reused_with_its_model(tmp_path, make_env, shared_cache):
     """A second user of the port finds the mlx_lm.server the first one started (registered, and
     healthy) and asks for the model it was started with; it stops with its last user."""
-    from voice_agent.tiny_llm import write_tiny_llm
+    from voice_agent.services.tiny_llm import write_tiny_llm
 
     model = tmp_path / "tiny-llm"
     write_tiny_llm(model)
@@ -314,12 +314,12 @@ class _Terminal(io.StringIO):
 
 
 def test_progress_lines_go_to_a_terminal_only(monkeypatch):
-    from voice_agent import local_services
+    from voice_agent.services.progress import progress
 
     terminal, captured = _Terminal(), io.StringIO()
     monkeypatch.setattr(sys, "stderr", terminal)
-    local_services.progress("starting the local TTS engine on port 1 ...")
+    progress("starting the local TTS engine on port 1 ...")
     monkeypatch.setattr(sys, "stderr", captured)  # a log file or a pipe: results only
-    local_services.progress("starting the local TTS engine on port 1 ...")
+    progress("starting the local TTS engine on port 1 ...")
     assert terminal.getvalue() == "voice-agent: starting the local TTS engine on port 1 ...\n"
     assert captured.getvalue() == ""

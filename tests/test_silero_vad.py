@@ -15,7 +15,7 @@ from livekit import rtc
 from livekit.agents import vad as agents_vad
 from livekit.plugins import silero
 
-from voice_agent.speech_assets import pad_silence, speech_samples
+from voice_agent.harness.speech_assets import pad_silence, speech_samples
 
 pytestmark = pytest.mark.skipif(
     shutil.which("espeak-ng") is None or shutil.which("sox") is None,

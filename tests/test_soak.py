@@ -16,9 +16,8 @@ import psutil
 import pytest
 
 from voice_agent.cli import build_parser
-from voice_agent.recovery import is_resume_dispatch
-from voice_agent.soak import FAULTS, Plan, parse_faults
-from voice_agent.soak_report import (
+from voice_agent.harness.livekit_server import INSTALL_HINT, find_binary
+from voice_agent.lab.soak.report import (
     fault_phases,
     lost_turns,
     percentile,
@@ -27,9 +26,8 @@ from voice_agent.soak_report import (
     turn_totals,
     unexplained_failures,
 )
-from voice_agent.soak_stack import livekit_binary
-
-from .livekit_server import INSTALL_HINT
+from voice_agent.lab.soak.run import FAULTS, Plan, parse_faults
+from voice_agent.recovery import is_resume_dispatch
 
 SOAK_TIMEOUT = 1500.0  # the short version on a loaded 2-core machine (a swap loads at low priority)
 
@@ -108,7 +106,7 @@ def test_bench_takes_soak_and_keeps_its_old_form():
 
 
 def _need_livekit_server() -> None:
-    if livekit_binary() is None:
+    if find_binary() is None:
         problem = f"no livekit-server binary: {INSTALL_HINT}"
         if os.environ.get("CI", "").lower() not in ("", "0", "false"):
             pytest.fail(f"CI is set and the soak test cannot run: {problem}")

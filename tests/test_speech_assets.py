@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from voice_agent.speech_assets import (
+from voice_agent.harness.speech_assets import (
     SpeechToolMissing,
     pad_silence,
     read_wav,

@@ -14,12 +14,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from voice_agent.demo import load_turn_audio, run_turns
+from voice_agent.harness.demo import load_turn_audio, run_turns
+from voice_agent.harness.openai_stand_in import ScriptedChatServer
+from voice_agent.harness.speech_assets import speech_wav
 from voice_agent.settings import Settings
-from voice_agent.speech_assets import speech_wav
 from voice_agent.turn_rules import RuleTurnDetector, sounds_unfinished
-
-from .openai_server import ScriptedChatServer
 
 RATE = 48000
 

@@ -3,6 +3,10 @@
 `start`/`dev`/`console` hand over to LiveKit's own agent CLI with our worker; `demo` runs spoken
 turns from WAV files through the whole pipeline without a LiveKit server; `web` serves the browser
 client and its token endpoint.
+
+Each command imports what it runs when it runs (the worker, the harness, the lab): this module
+imports only the settings, so `--help`, `settings` and a mistyped flag answer at once instead of
+after LiveKit's few seconds of imports.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
+from voice_agent.metrics_dir import use_multiprocess_dir
 from voice_agent.settings import (
     KeeperSettings,
     Settings,
@@ -143,9 +148,8 @@ def _main(argv: list[str] | None = None) -> int:
         lk_argv, env = livekit_argv(args)
         os.environ.update(env)
         if args.command in ("start", "dev") and _metrics_port():
-            from voice_agent.metrics_dir import use_multiprocess_dir
-
             use_multiprocess_dir()  # before livekit.agents imports prometheus_client
+        # CLI start-up time (livekit.agents takes seconds), and after use_multiprocess_dir
         from voice_agent.worker import run_worker
 
         return run_worker(lk_argv)
@@ -153,15 +157,15 @@ def _main(argv: list[str] | None = None) -> int:
         print(markdown_table())
         return 0
     if args.command == "web":
-        from voice_agent.web_client import run_web
+        from voice_agent.web_client import run_web  # CLI start-up time: only `web` needs it
 
         return run_web(from_args(args, WebSettings))
     if args.command == "keeper":
-        from voice_agent.keeper import run_keeper
+        from voice_agent.keeper import run_keeper  # CLI start-up time: only `keeper` needs it
 
         return run_keeper(from_args(args, KeeperSettings))
     if args.command == "bench" and args.suite == "soak":
-        from voice_agent.soak import parse_faults, run_soak
+        from voice_agent.lab.soak.run import parse_faults, run_soak  # CLI start-up time: the lab
 
         try:
             faults = parse_faults(args.faults)
@@ -177,14 +181,16 @@ def _main(argv: list[str] | None = None) -> int:
         except (RuntimeError, TimeoutError, FileNotFoundError) as e:
             print(f"voice-agent: error: {e}", file=sys.stderr)
             return 1
-    from voice_agent.demo import TurnAudioError, run_demo
-    from voice_agent.local_services import resolve_offline
+    # CLI start-up time: the harness (LiveKit's pipeline) and the services, for demo and bench only
+    from voice_agent.harness.demo import TurnAudioError, run_demo
+    from voice_agent.services import resolve_offline
 
     settings = resolve_offline(from_args(args))
 
     try:
         if args.command == "bench":
-            from voice_agent.bench import run_bench
+            # CLI start-up time: the lab, for bench only
+            from voice_agent.lab.bench import run_bench
 
             return run_bench(settings, args.turns, args.paused_turns, args.tts_requests, args.out)
         return run_demo(settings, args.wav, args.out, args.json)

@@ -10,9 +10,13 @@ imports prometheus_client); `voice-agent demo` serves them itself (`start_metric
 from __future__ import annotations
 
 import logging
+import os
 
 from aiohttp import web
 from livekit.agents import AgentSession, llm
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, Histogram, generate_latest
 
 logger = logging.getLogger("voice_agent")
@@ -99,14 +103,9 @@ def tracer_provider_from_env(service_name: str = "voice-agent"):
     """An OpenTelemetry tracer provider exporting over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT (or
     ..._TRACES_ENDPOINT) is set, else None. OTEL_EXPORTER_OTLP_PROTOCOL: `http/protobuf`
     (default) or `grpc`; OTEL_SERVICE_NAME overrides the service name."""
-    import os
-
     if not any(os.environ.get(k) for k in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")):
         return None
-    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
+    # the exporter of the protocol asked for, when tracing is on (CLI start-up time: grpc is slow)
     if os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf") == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:

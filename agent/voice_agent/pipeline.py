@@ -20,6 +20,7 @@ from livekit.agents import (
     llm,
 )
 from livekit.agents.voice.agent_session import SessionConnectOptions
+from livekit.plugins import faster_whisper, qwen3_tts, silero
 
 from voice_agent.observability import APOLOGIES
 from voice_agent.settings import Settings
@@ -58,7 +59,6 @@ class VoiceAgent(Agent):
 
 
 def build_stt(settings: Settings):
-    from livekit.plugins import faster_whisper
 
     model = "bundled" if settings.offline and settings.stt_model in ("base.en", "tiny.en") else settings.stt_model
     return faster_whisper.STT(model=model, language=settings.stt_language, streaming=settings.stt_streaming,
@@ -67,6 +67,8 @@ def build_stt(settings: Settings):
 
 
 def build_llm(settings: Settings, base_url: str):
+    # where a session is built (a job process, the demo): the worker's main process imports this
+    # module but never builds a pipeline, and openai takes ~1 s to import (CLI start-up time)
     from livekit.plugins import openai
 
     return openai.LLM(
@@ -78,8 +80,6 @@ def build_llm(settings: Settings, base_url: str):
 
 
 def build_tts(settings: Settings, url: str):
-    from livekit.plugins import qwen3_tts
-
     return qwen3_tts.TTS(
         base_url=url, voice=settings.tts_voice, language=settings.tts_language,
         protocol=settings.tts_protocol, max_new_tokens=settings.tts_max_new_tokens,
@@ -90,8 +90,6 @@ def build_tts(settings: Settings, url: str):
 
 def build_vad(settings: Settings, *, phone: bool = False):
     """Silero VAD; `phone`: with the settings for phone callers (PHONE_VAD_*)."""
-    from livekit.plugins import silero
-
     if phone:
         return silero.VAD.load(min_silence_duration=settings.phone_vad_min_silence,
                                activation_threshold=settings.phone_vad_activation)  # fmt: skip
@@ -103,7 +101,7 @@ def build_turn_detector(settings: Settings):
     if settings.turn_detector == "rule":
         return RuleTurnDetector()
     if settings.turn_detector == "livekit":
-        try:
+        try:  # optional extra: livekit-plugins-turn-detector
             from livekit.plugins.turn_detector.multilingual import MultilingualModel
         except ImportError as e:
             raise RuntimeError("TURN_DETECTOR=livekit needs livekit-plugins-turn-detector (uv pip "

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Self
 
+from dotenv import dotenv_values
+
 
 def _f(env: str, default, help: str, *, flag: bool = True,
        check: Callable[[object], str | None] | None = None):  # fmt: skip
@@ -81,6 +83,8 @@ def _tts_variant(v: str) -> str | None:
     if _local_path(v) or v.endswith((".yaml", ".yml", ".json")):
         return None if Path(v).expanduser().is_file() else f"no such recipe file: {v!r}"
     try:
+        # optional extra: the engine (`voice-agent[local]`); the only engine import outside
+        # voice_agent.services and voice_agent.lab (the `agent-engine-users` import contract)
         from qwen3_tts_engine import variant_names
     except ImportError:  # the engine is an optional extra (a remote TTS_URL needs none)
         return None
@@ -97,6 +101,7 @@ def _stt_model(v: str) -> str | None:
     if _local_path(v) or Path(v).expanduser().is_dir() or HUB_ID.fullmatch(v):
         return _model_dir(v)
     try:
+        # CLI start-up time: faster-whisper brings ctranslate2 (~0.5 s), for this check only
         from faster_whisper.utils import available_models
     except ImportError:  # cannot tell: faster-whisper says so when it loads
         return None
@@ -154,8 +159,6 @@ class _EnvSettings:
         """Read `.env` (if present), then the environment, then `overrides` (CLI flags)."""
         values: dict[str, str] = {}
         if dotenv is not None and dotenv.is_file():
-            from dotenv import dotenv_values
-
             values.update({k: v for k, v in dotenv_values(dotenv).items() if v is not None})
         environ = os.environ if env is None else env
         values.update(environ)

@@ -20,14 +20,15 @@ from urllib.parse import urlparse
 import httpx
 from livekit.agents import AgentServer, JobContext, JobProcess, cli
 from livekit.agents.beta.tools import EndCallTool
+from livekit.agents.telemetry import set_tracer_provider
 from livekit.agents.voice.room_io import RoomOptions
 from livekit.agents.worker import _DefaultLoadCalc
 
 from livekit.plugins.qwen3_tts import EngineLoad
-from voice_agent.local_services import LocalService, ensure_llm, ensure_tts_engine, resolve_offline
 from voice_agent.observability import TurnMetrics, tracer_provider_from_env
 from voice_agent.pipeline import VoiceAgent, build_session, build_stt, build_vad
 from voice_agent.recovery import CallRecord, chat_context, is_resume_dispatch
+from voice_agent.services import LocalService, ensure_llm, ensure_tts_engine, resolve_offline
 from voice_agent.settings import Settings, parse_dtmf_actions
 from voice_agent.telephony import PhoneCall, PhoneCaller
 
@@ -131,7 +132,9 @@ def load(server: AgentServer) -> float:
 
 
 def prewarm(proc: JobProcess) -> None:
-    from livekit.plugins import openai, silero  # noqa: F401  (importing openai later blocks a job's loop ~1 s)
+    # In the job process, before its first call (imported later, openai blocks a job's loop ~1 s);
+    # not at the top: the worker's main process never builds a pipeline (CLI start-up time)
+    from livekit.plugins import openai, silero  # noqa: F401
 
     settings = Settings.load()
     proc.userdata["vad"] = build_vad(settings)
@@ -142,8 +145,6 @@ def prewarm(proc: JobProcess) -> None:
     # traces of each turn (LiveKit's spans: user turn, STT, LLM, TTS, our engine requests)
     provider = tracer_provider_from_env()
     if provider is not None:
-        from livekit.agents.telemetry import set_tracer_provider
-
         set_tracer_provider(provider)
     proc.userdata["tracer_provider"] = provider
 
@@ -236,7 +237,7 @@ def _check_livekit_url(argv: Sequence[str] = ()) -> str | None:
 
 def _check_audio_devices() -> str | None:
     try:
-        import sounddevice
+        import sounddevice  # optional: it needs the PortAudio library, and only console mode does
 
         sounddevice.query_devices(kind="input")
     except (OSError, ImportError) as e:

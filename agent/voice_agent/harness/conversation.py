@@ -16,7 +16,7 @@ import numpy as np
 from livekit.agents import AgentSession, APIError, llm
 from livekit.agents.metrics import STTMetrics
 
-from voice_agent.audio_io import CaptureAudioOutput, PacedAudioInput
+from voice_agent.harness.audio_io import CaptureAudioOutput, PacedAudioInput
 
 COMPONENTS = {"tts_error": "TTS", "stt_error": "STT", "llm_error": "LLM"}  # LiveKit's error types
 

@@ -19,11 +19,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from voice_agent.audio_io import CaptureAudioOutput, PacedAudioInput
-from voice_agent.conversation import Conversation, TurnFailed, TurnReport
-from voice_agent.local_services import RANDOM_LLM, RANDOM_TTS, ensure_llm, ensure_tts_engine
+from voice_agent.harness.audio_io import CaptureAudioOutput, PacedAudioInput
+from voice_agent.harness.conversation import Conversation, TurnFailed, TurnReport
+from voice_agent.harness.speech_assets import AudioFileError, read_audio, speech_wav
 from voice_agent.observability import TurnMetrics, start_metrics_server
 from voice_agent.pipeline import VoiceAgent, build_session, build_stt
+from voice_agent.services import RANDOM_LLM, RANDOM_TTS, ensure_llm, ensure_tts_engine
 from voice_agent.settings import Settings
 
 DEFAULT_QUESTION = "Hello there. What time is it right now?"
@@ -40,8 +41,6 @@ SILENT = 0.001  # peak below this fraction of full scale (-60 dBFS): nothing for
 def load_turn_audio(path: Path | None) -> np.ndarray:
     """int16 mono at 48 kHz from an audio file (any format, rate, sample size and channel
     count FFmpeg decodes), or espeak-ng's default question."""
-    from voice_agent.speech_assets import AudioFileError, read_audio, speech_wav
-
     wav = path or speech_wav(DEFAULT_QUESTION, sample_rate=INPUT_RATE)
     try:
         samples = read_audio(wav, INPUT_RATE)

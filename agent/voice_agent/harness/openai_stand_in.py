@@ -1,7 +1,9 @@
 """An OpenAI-compatible chat server on loopback that speaks the real streaming protocol (SSE).
 
-It stands in for the LLM only (no useful instruct model can be had offline): the first turn asks
-for the `get_current_time` tool, and after the tool's result it answers with scripted text.
+It stands in for the LLM where the LLM is not what is measured or tested (no useful instruct model
+can be had offline): the tests script it (ask for the `get_current_time` tool first, answer with
+given text after the tool's result, call a tool when the caller says given words, echo, fail),
+and the soak benchmark lets it answer at once, always the same words.
 """
 
 from __future__ import annotations
@@ -12,17 +14,33 @@ import time
 from aiohttp import web
 
 
+async def serve_on_loopback(app: web.Application) -> tuple[web.AppRunner, int]:
+    """Serve `app` on 127.0.0.1, any free port: (its runner, to clean up; the port)."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
 class ScriptedChatServer:
+    """`POST /v1/chat/completions` (streamed, or one JSON body when the request does not ask for
+    a stream) and `GET /v1/models` (one model, `model`)."""
+
     def __init__(self, answer: str = "It is noon. Anything else I can do for you?", *,
                  use_tool: bool = True, fail: bool = False, echo: bool = False,
-                 tool_rules: dict[str, str] | None = None) -> None:  # fmt: skip
+                 tool_rules: dict[str, str] | None = None, model: str = "scripted",
+                 keep_requests: bool = True) -> None:  # fmt: skip
         self.answer = answer
         # {words in the last user message: the tool to call}: e.g. {"pressed 7": "end_call"}
         self.tool_rules = {k.lower(): v for k, v in (tool_rules or {}).items()}
         self.echo = echo  # answer "You said: <the last user message>." (which request a reply answers)
         self.use_tool = use_tool
         self.fail = fail
+        self.model = model
+        self.keep_requests = keep_requests  # False: count them only (a long run's memory stays flat)
         self.requests: list[dict] = []
+        self.request_count = 0
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -34,11 +52,7 @@ class ScriptedChatServer:
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.runner, self.port = await serve_on_loopback(app)
         return self
 
     async def stop(self) -> None:
@@ -59,43 +73,61 @@ class ScriptedChatServer:
         return None
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "scripted", "object": "model"}]})
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
     def _chunk(self, delta: dict, finish: str | None = None) -> bytes:
         body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": int(time.time()),
-                "model": "scripted", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+                "model": self.model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
         return f"data: {json.dumps(body)}\n\n".encode()
+
+    def _answer(self, body: dict) -> str:
+        if not self.echo:
+            return self.answer
+        users = [m for m in body["messages"] if m.get("role") == "user"]
+        heard = _text(users[-1]["content"] if users else "")
+        return f"You said: {heard.strip().rstrip('.?!')}."
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        self.requests.append(body)
+        self.request_count += 1
+        if self.keep_requests:
+            self.requests.append(body)
         if self.fail:
             return web.json_response({"error": {"message": "model overloaded"}}, status=500)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
         had_tool_result = any(m.get("role") == "tool" for m in body["messages"])
         tool = self._rule_tool(body)
         if tool is None and self.use_tool and body.get("tools") and not had_tool_result:
             tool = "get_current_time"
+        if not body.get("stream", True):
+            return self._whole(tool, body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
         if tool is not None:
-            call = {"index": 0, "id": f"call_{len(self.requests)}", "type": "function",
+            call = {"index": 0, "id": f"call_{self.request_count}", "type": "function",
                     "function": {"name": tool, "arguments": "{}"}}  # fmt: skip
             await resp.write(self._chunk({"role": "assistant", "tool_calls": [call]}))
             await resp.write(self._chunk({}, "tool_calls"))
         else:
             await resp.write(self._chunk({"role": "assistant", "content": ""}))
-            answer = self.answer
-            if self.echo:
-                users = [m for m in body["messages"] if m.get("role") == "user"]
-                heard = users[-1]["content"] if users else ""
-                heard = _text(heard)
-                answer = f"You said: {heard.strip().rstrip('.?!')}."
-            for word in answer.split():
+            for word in self._answer(body).split():
                 await resp.write(self._chunk({"content": word + " "}))
             await resp.write(self._chunk({}, "stop"))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    def _whole(self, tool: str | None, body: dict) -> web.Response:
+        """The answer as one `chat.completion` (a request with `"stream": false`)."""
+        if tool is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"call_{self.request_count}", "type": "function",
+                 "function": {"name": tool, "arguments": "{}"}}]}  # fmt: skip
+            finish = "tool_calls"
+        else:
+            message, finish = {"role": "assistant", "content": self._answer(body)}, "stop"
+        return web.json_response({"id": "chatcmpl-1", "object": "chat.completion", "created": int(time.time()),
+                                  "model": self.model,
+                                  "choices": [{"index": 0, "finish_reason": finish, "message": message}]})  # fmt: skip
 
 
 def _text(content) -> str:

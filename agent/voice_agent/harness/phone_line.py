@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from voice_agent.speech_assets import _require_tool, _run
+from voice_agent.harness.speech_assets import require_tool, run_tool
 
 TELEPHONE_BAND_HZ = (300, 3400)
 LINE_RATE = 8000
@@ -26,14 +26,14 @@ def phone_line_wav(source: str | os.PathLike[str], *, sample_rate: int = 48000) 
     out = source.with_name(f"{source.stem}.phone-{sample_rate}hz.wav")
     if out.is_file() and out.stat().st_mtime >= source.stat().st_mtime:
         return out
-    sox = _require_tool("sox")
+    sox = require_tool("sox")
     low, high = TELEPHONE_BAND_HZ
     with tempfile.TemporaryDirectory(dir=source.parent) as tmp:
         line = Path(tmp) / "line.wav"  # what travels: 8 kHz, 8-bit µ-law
-        _run([sox, str(source), "-c", "1", "-e", "u-law", "-b", "8", str(line),
+        run_tool([sox, str(source), "-c", "1", "-e", "u-law", "-b", "8", str(line),
               "sinc", f"{low}-{high}", "rate", "-h", str(LINE_RATE)])  # fmt: skip
         decoded = Path(tmp) / "decoded.wav"
-        _run([sox, str(line), "-e", "signed-integer", "-b", "16", str(decoded),
+        run_tool([sox, str(line), "-e", "signed-integer", "-b", "16", str(decoded),
               "rate", "-h", str(sample_rate)])  # fmt: skip
         os.replace(decoded, out)
     return out

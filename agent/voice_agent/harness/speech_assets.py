@@ -19,7 +19,9 @@ import tempfile
 import wave
 from pathlib import Path
 
+import av
 import numpy as np
+from livekit import rtc
 
 CACHE_ENV = "VOICE_AGENT_CACHE"
 DEFAULT_CACHE_ROOT = Path("~/.cache/qwen3-voice-agent")
@@ -91,14 +93,14 @@ def speech_wav(
     directory.mkdir(parents=True, exist_ok=True)
     if tool == "say":
         return _say_wav(text, path, voice, sample_rate, words_per_minute)
-    espeak = _require_tool("espeak-ng")
+    espeak = require_tool("espeak-ng")
     # write under a temporary name, then rename: concurrent callers never see half a file
     with tempfile.TemporaryDirectory(dir=directory) as tmp:
         raw = Path(tmp) / "espeak.wav"
         cmd = [espeak, "-v", voice, "-w", str(raw)]
         if words_per_minute is not None:
             cmd += ["-s", str(words_per_minute)]
-        _run([*cmd, "--", text])
+        run_tool([*cmd, "--", text])
 
         with wave.open(str(raw), "rb") as w:
             espeak_rate = w.getframerate()
@@ -106,9 +108,9 @@ def speech_wav(
             out = raw
         else:
             out = Path(tmp) / "resampled.wav"
-            sox = _require_tool("sox")
+            sox = require_tool("sox")
             # -h: high-quality resampler; -b 16 -c 1: keep mono int16
-            _run([sox, str(raw), "-b", "16", "-c", "1", str(out), "rate", "-h", str(sample_rate)])
+            run_tool([sox, str(raw), "-b", "16", "-c", "1", str(out), "rate", "-h", str(sample_rate)])
         os.replace(out, path)
     return path
 
@@ -117,7 +119,7 @@ def _say_wav(text: str, path: Path, voice: str, sample_rate: int,
              words_per_minute: int | None) -> Path:  # fmt: skip
     """macOS's `say` writes 16-bit PCM at `sample_rate` itself (no sox); the text goes through a
     file, so a text that starts with a dash is never read as an option."""
-    say = _require_tool("say")
+    say = require_tool("say")
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         text_file, raw = Path(tmp) / "text.txt", Path(tmp) / "say.wav"
         text_file.write_text(text, encoding="utf-8")
@@ -125,7 +127,7 @@ def _say_wav(text: str, path: Path, voice: str, sample_rate: int,
                "-v", SAY_VOICES.get(voice, voice)]  # fmt: skip
         if words_per_minute is not None:
             cmd += ["-r", str(words_per_minute)]
-        _run([*cmd, "-f", str(text_file)])
+        run_tool([*cmd, "-f", str(text_file)])
         out = _plain_pcm_wav(raw, sample_rate, Path(tmp) / "plain.wav")
         os.replace(out, path)
     return path
@@ -168,8 +170,6 @@ def read_audio(path: str | os.PathLike[str], sample_rate: int) -> np.ndarray:
     """int16 mono samples at `sample_rate` of any audio file FFmpeg decodes (WAV of any sample
     format and channel count, FLAC, MP3, Ogg, a video's first audio track...): channels are
     averaged, then resampled. Raises `AudioFileError` with a one-line message."""
-    import av
-
     path = Path(path)
     if not path.exists():
         raise AudioFileError(f"{path}: no such file")
@@ -225,8 +225,6 @@ def _read_pcm_wav(path: Path, sample_rate: int) -> np.ndarray | None:
     samples = np.clip(np.round(x * 32767), -32768, 32767).astype(np.int16)
     if rate == sample_rate or not len(samples):
         return samples
-    from livekit import rtc
-
     resampler = rtc.AudioResampler(rate, sample_rate, quality=rtc.AudioResamplerQuality.HIGH)
     frames = resampler.push(rtc.AudioFrame(samples.tobytes(), rate, 1, len(samples)))
     frames += resampler.flush()
@@ -235,8 +233,6 @@ def _read_pcm_wav(path: Path, sample_rate: int) -> np.ndarray | None:
 
 def _decode_mono(container, stream, sample_rate: int) -> list[np.ndarray]:
     """float mono blocks of `stream` at `sample_rate`: resampled, then its channels averaged."""
-    import av
-
     resampler = av.AudioResampler(format="flt", layout=stream.layout, rate=sample_rate)
     parts = []
     for frame in itertools.chain(container.decode(stream), [None]):  # None flushes the resampler
@@ -273,7 +269,8 @@ def _cache_name(text: str, voice: str, sample_rate: int, words_per_minute: int |
     return f"{slug}.{voice_slug}.{sample_rate}hz.{digest}.wav"
 
 
-def _require_tool(name: str) -> str:
+def require_tool(name: str) -> str:
+    """The path of the program `name`; SpeechToolMissing, with how to install it, if there is none."""
     path = shutil.which(name)
     if path is None:
         if name == "say":
@@ -284,7 +281,8 @@ def _require_tool(name: str) -> str:
     return path
 
 
-def _run(cmd: list[str]) -> None:
+def run_tool(cmd: list[str]) -> None:
+    """Run a speech or audio tool; RuntimeError with its stderr when it fails."""
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import httpx
 
-from voice_agent.demo import run_turns
-from voice_agent.local_services import LocalService, ensure_llm
+from voice_agent.harness.demo import run_turns
+from voice_agent.lab.turn_bench import PAUSED, baseline, turn_set, word_error_rate, words
+from voice_agent.services import RANDOM_TTS, LocalService, ensure_llm, hub_model_available
 from voice_agent.settings import Settings
-from voice_agent.turn_bench import PAUSED, baseline, turn_set, word_error_rate, words
 
 COLUMNS = ("end_of_turn_s", "transcription_s", "llm_ttft_s", "llm_ttfs_s", "tts_ttfb_s", "voice_to_voice_s",
            "tts_first_chunk_compute_s", "added_s", "end_of_turn_delay_s", "transcription_delay_s",
@@ -141,12 +141,12 @@ def _ratio(tuned: dict, base: dict, column: str) -> float | None:
 
 
 async def _bench(settings: Settings, llm: LocalService, turns: int, paused_turns: int, tts_requests: int) -> dict:
+    # optional extra: the engine package (`voice-agent[local]`), needed by this command only
     from qwen3_tts_engine import Engine, EngineServer, Handler, ServerConfig
-    from voice_agent.local_services import RANDOM_TTS, hub_model_available
 
     model, notes = settings.tts_model, []
     if not hub_model_available(model, settings.offline):
-        from qwen3_tts_engine.tiny_checkpoints import default_tiny_checkpoint
+        from qwen3_tts_engine.tiny_checkpoints import default_tiny_checkpoint  # (the same extra)
 
         model, notes = str(default_tiny_checkpoint()), [RANDOM_TTS]
     engine = EngineServer(Engine(model, [Handler(model, settings.tts_variant)]), ServerConfig(port=0))

@@ -9,8 +9,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from voice_agent.harness.demo import load_turn_audio
+from voice_agent.harness.speech_assets import speech_wav
 from voice_agent.settings import Settings
-from voice_agent.speech_assets import speech_wav
 
 PLAIN = (
     "Hello there. What time is it right now?",
@@ -37,8 +38,6 @@ class SpokenTurn:
 
 
 def _speech(text: str, rate: int) -> np.ndarray:
-    from voice_agent.demo import load_turn_audio
-
     return load_turn_audio(speech_wav(text, sample_rate=rate))
 
 

@@ -1,11 +1,10 @@
-"""The soak benchmark's callers: LiveKit rtc participants that call back to back, speak espeak-ng
-turns as 10 ms frames in real time, and record what they hear (the agent's audio frames, its
-`lk.transcription` text and state), one record per turn."""
+"""The soak benchmark's callers: callers (`voice_agent.harness.caller`) that call back to back,
+speak espeak-ng turns as 10 ms frames in real time, and record what they hear (the agent's audio
+frames, its `lk.transcription` text and state), one record per turn."""
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import time
 import uuid
 from collections.abc import Callable
@@ -13,120 +12,9 @@ from collections.abc import Callable
 import numpy as np
 from livekit import api, rtc
 
-RATE, FRAME = 48000, 480  # 10 ms frames
-SILENT_PEAK = 64  # int16 peak at or below which a frame counts as silence
-TOPIC = "lk.transcription"
+from voice_agent.harness.caller import SILENT_PEAK, Caller
+
 APOLOGY_WORDS, GREETING_WORDS = "can't think", "cut off"
-
-
-class CallerRoom:
-    """One call: a participant with a microphone track, recording the agent."""
-
-    def __init__(self, identity: str) -> None:
-        self.identity = identity
-        self.room = rtc.Room()
-        self.source = rtc.AudioSource(RATE, 1, queue_size_ms=100)
-        self.frames: list[tuple[float, int, str]] = []  # (monotonic time, peak, agent identity)
-        self.texts: list[tuple[float, str]] = []  # (monotonic time, agent text)
-        self.states: list[tuple[float, str]] = []  # (monotonic time, agent state)
-        self.speech_end: float | None = None
-        self._speech: np.ndarray | None = None
-        self._tasks: set[asyncio.Task] = set()
-        self._mic_sid: str | None = None
-        self.room.on("track_subscribed", self._on_track)
-        self.room.on("participant_attributes_changed", self._on_attributes)
-        self.room.register_text_stream_handler(TOPIC, self._on_text)
-
-    def _spawn(self, coro) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _on_track(self, track: rtc.Track, pub, participant: rtc.RemoteParticipant) -> None:
-        if track.kind == rtc.TrackKind.KIND_AUDIO:
-            self._spawn(self._receive(track, participant.identity))
-
-    def _on_attributes(self, changed: dict, participant) -> None:
-        if "lk.agent.state" in changed:
-            self.states.append((time.monotonic(), changed["lk.agent.state"]))
-
-    async def _receive(self, track: rtc.Track, identity: str) -> None:
-        async for ev in rtc.AudioStream(track, sample_rate=RATE, num_channels=1):
-            samples = np.frombuffer(bytes(ev.frame.data), np.int16)
-            peak = int(np.abs(samples.astype(np.int32)).max()) if samples.size else 0
-            self.frames.append((time.monotonic(), peak, identity))
-
-    def _on_text(self, reader: rtc.TextStreamReader, sender: str) -> None:
-        async def read() -> None:
-            text = await reader.read_all()
-            attrs = dict(reader.info.attributes or {})
-            if sender != self.identity and attrs.get("lk.transcribed_track_id") != self._mic_sid:
-                self.texts.append((time.monotonic(), text))
-
-        self._spawn(read())
-
-    def agent(self) -> rtc.RemoteParticipant | None:
-        for p in self.room.remote_participants.values():
-            if p.kind == rtc.ParticipantKind.PARTICIPANT_KIND_AGENT:
-                return p
-        return None
-
-    def listening_agent(self) -> rtc.RemoteParticipant | None:
-        a = self.agent()
-        return a if a is not None and a.attributes.get("lk.agent.state") == "listening" else None
-
-    def loud_after(self, t: float, identity: str | None = None, *, other_than: str | None = None) -> float | None:
-        """When the agent (any, `identity`, or any but `other_than`) was first heard after `t`."""
-        start = bisect.bisect_right(self.frames, t, key=lambda f: f[0])  # frames come in time order
-        return next((ft for ft, peak, who in self.frames[start:]
-                     if peak > SILENT_PEAK and (identity is None or who == identity) and who != other_than),
-                    None)  # fmt: skip
-
-    def text_after(self, t: float) -> str:
-        return " ".join(text for tt, text in self.texts if tt > t).lower()
-
-    async def join(self, url: str, token: str) -> None:
-        await self.room.connect(url, token)
-        track = rtc.LocalAudioTrack.create_audio_track("microphone", self.source)
-        opts = rtc.TrackPublishOptions(source=rtc.TrackSource.SOURCE_MICROPHONE)
-        self._mic_sid = (await self.room.local_participant.publish_track(track, opts)).sid
-        self._spawn(self._microphone())
-
-    def say(self, samples: np.ndarray) -> None:
-        self.speech_end, self._speech = None, samples
-
-    async def _microphone(self) -> None:
-        silence = np.zeros(FRAME, np.int16)
-        start, n = time.monotonic(), 0
-        while True:
-            speech, self._speech = self._speech, None
-            if speech is not None:
-                for i in range(0, len(speech), FRAME):
-                    chunk = speech[i : i + FRAME]
-                    chunk = np.pad(chunk, (0, FRAME - len(chunk))) if len(chunk) < FRAME else chunk
-                    n = await self._capture(chunk, start, n)
-                self.speech_end = time.monotonic() + self.source.queued_duration
-            n = await self._capture(silence, start, n)
-
-    async def _capture(self, chunk: np.ndarray, start: float, n: int) -> int:
-        await self.source.capture_frame(rtc.AudioFrame(chunk.tobytes(), RATE, 1, FRAME))
-        now = time.monotonic()
-        if now - (start + n * FRAME / RATE) > 1.0:  # starved (a busy machine): no burst to catch up
-            return int((now - start) * RATE / FRAME)
-        delay = start + (n + 1) * FRAME / RATE - now
-        if delay > 0:
-            await asyncio.sleep(delay)
-        return n + 1
-
-    async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        try:
-            await asyncio.wait_for(self.room.disconnect(), 10)
-        except Exception:  # the server may be gone (its restart is one of the faults)
-            pass
-        await self.source.aclose()
 
 
 async def _until(cond: Callable[[], object], timeout: float, step: float = 0.05) -> object:
@@ -141,7 +29,7 @@ async def _until(cond: Callable[[], object], timeout: float, step: float = 0.05)
 class CallerLoop:
     """Caller `index`: calls (a new room each), `turns_per_call` answered turns per call, then
     hangs up and calls again, until `stop` is set. Each turn becomes a dict in `turns` (see
-    soak_report.py); `clock()` gives run time."""
+    report.py); `clock()` gives run time."""
 
     def __init__(self, index: int, url: str, api_key: str, api_secret: str, speech: list[np.ndarray],
                  clock: Callable[[], float], *, turns_per_call: int = 3, turn_timeout: float = 45.0,
@@ -150,7 +38,7 @@ class CallerLoop:
         self.speech, self.clock, self.log = speech, clock, log
         self.turns_per_call, self.turn_timeout, self.agent_wait = turns_per_call, turn_timeout, agent_wait
         self.turns: list[dict] = []
-        self.call: CallerRoom | None = None  # the call in progress
+        self.call: Caller | None = None  # the call in progress
         self.room_name: str | None = None
         self.in_turn = False  # speaking or waiting for the agent's answer
         self.turn_started = 0.0  # run time the turn in progress began
@@ -167,7 +55,7 @@ class CallerLoop:
         while not self.stop.is_set():
             self.calls += 1
             name = f"soak-{self.index}-{self.calls}-{uuid.uuid4().hex[:6]}"
-            call = CallerRoom(f"caller-{self.index}-{uuid.uuid4().hex[:6]}")
+            call = Caller(f"caller-{self.index}-{uuid.uuid4().hex[:6]}")
             t_start = self.clock()
             try:
                 await asyncio.wait_for(call.join(self.url, self._token(call.identity, name)), 15)
@@ -189,7 +77,7 @@ class CallerLoop:
                     pass
             await asyncio.sleep(1.0)
 
-    async def _converse(self, call: CallerRoom, room: str) -> None:
+    async def _converse(self, call: Caller, room: str) -> None:
         answered, attempts, n = 0, 0, 0
         self.lost_agent = None
         while not self.stop.is_set() and (self.hold or (answered < self.turns_per_call
@@ -203,7 +91,7 @@ class CallerLoop:
                 return  # hang up and call again
             await asyncio.sleep(1.5)
 
-    async def _turn(self, call: CallerRoom, room: str, audio: np.ndarray) -> str:
+    async def _turn(self, call: Caller, room: str, audio: np.ndarray) -> str:
         t_start = self.clock()
         if not call.room.isconnected():
             return self._record(t_start, None, "failed", "disconnected", room=room)

@@ -28,9 +28,13 @@ import httpx
 from aiohttp import web
 from livekit import api
 
+from voice_agent.harness.demo import load_turn_audio
+from voice_agent.harness.openai_stand_in import ScriptedChatServer
+from voice_agent.harness.speech_assets import speech_wav
 from voice_agent.keeper import CallKeeper
-from voice_agent.soak_callers import CallerLoop
-from voice_agent.soak_report import (
+from voice_agent.lab.soak.callers import CallerLoop
+from voice_agent.lab.soak.fault_proxy import FaultProxy
+from voice_agent.lab.soak.report import (
     fault_phases,
     latency_summary,
     lost_turns,
@@ -38,8 +42,7 @@ from voice_agent.soak_report import (
     turn_totals,
     unexplained_failures,
 )
-from voice_agent.soak_services import FaultProxy, StandInLLM
-from voice_agent.soak_stack import API_KEY, API_SECRET, LADDER, OPERATOR_KEY, Stack
+from voice_agent.lab.soak.stack import API_KEY, API_SECRET, LADDER, OPERATOR_KEY, Stack
 
 FAULTS = ("governor_swap", "engine_worker_kill", "llm_outage", "agent_worker_kill", "livekit_restart")
 PHRASES = ("What time is it right now?", "Can you tell me the time please?", "Hello, what time is it?")
@@ -49,6 +52,7 @@ TARGETS = {"agent_worker_kill": "the caller hears an agent again within 10 s",
            "llm_outage": "every turn during the outage gets the spoken apology",
            "livekit_restart": "the workers re-register and new calls are answered"}  # fmt: skip
 AGENT_BACK_S = 10.0
+ANSWER = "Sure, it is noon."  # the LLM stand-in's every answer (not what the soak measures)
 MEMORY_GROWTH_PCT = 5.0
 
 
@@ -112,7 +116,8 @@ class Soak:
     def __init__(self, plan: Plan, workdir: Path) -> None:
         self.plan, self.workdir = plan, workdir
         self.t0 = time.monotonic()
-        self.llm = StandInLLM()
+        # the LLM is not what the soak measures: a stand-in that answers at once, always the same
+        self.llm = ScriptedChatServer(ANSWER, use_tool=False, model="soak", keep_requests=False)
         self.proxy: FaultProxy | None = None
         self.stack: Stack | None = None
         self.keeper: CallKeeper | None = None
@@ -129,9 +134,8 @@ class Soak:
     # -- setup ------------------------------------------------------------------------------------
 
     async def setup(self) -> None:
+        # optional extra: the engine package (`voice-agent[local]`), needed by this command only
         from qwen3_tts_engine.tiny_checkpoints import default_tiny_checkpoint
-        from voice_agent.demo import load_turn_audio
-        from voice_agent.speech_assets import speech_wav
 
         await self.llm.start()
         self.proxy = await FaultProxy(f"http://127.0.0.1:{self.llm.port}").start()

@@ -1,13 +1,13 @@
-"""The processes of the soak benchmark: a livekit-server on loopback (its webhooks to the call
-keeper), one shared Qwen3-TTS engine, two `voice-agent start` workers. Each runs in its own
-process group with TMPDIR in the soak's own folder; every process seen (children included) is
-remembered with its start time, sampled for RSS and open files, and checked after the run."""
+"""The processes of the soak benchmark: a livekit-server on loopback (the harness's binary and
+config, `voice_agent.harness.livekit_server`; its webhooks to the call keeper), one shared
+Qwen3-TTS engine, two `voice-agent start` workers. Each runs in its own process group with TMPDIR
+in the soak's own folder; every process seen (children included) is remembered with its start
+time, sampled for RSS and open files, and checked after the run."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,56 +17,12 @@ from pathlib import Path
 import httpx
 import psutil
 
-REPO = Path(__file__).resolve().parents[2]
+from voice_agent.harness import livekit_server
+from voice_agent.harness.livekit_server import free_port, free_udp_port
+
 API_KEY, API_SECRET = "devkey", "soak-secret-0123456789abcdef0123456789"  # HMAC keys want >= 32 bytes
 ENGINE_KEY, OPERATOR_KEY = "soak-engine-key", "soak-operator-key"
 LADDER = ("bf16", "8bit")  # the governor swap goes back and forth between these
-
-
-def free_port(kind: int = socket.SOCK_STREAM) -> int:
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def livekit_binary() -> Path | None:
-    """LIVEKIT_SERVER_BIN, the repository's `.cache/bin/livekit-server`, or one on PATH."""
-    import shutil
-
-    for candidate in (os.environ.get("LIVEKIT_SERVER_BIN"), REPO / ".cache" / "bin" / "livekit-server",
-                      shutil.which("livekit-server")):  # fmt: skip
-        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
-            return Path(candidate)
-    return None
-
-
-def livekit_config(port: int, udp_port: int, webhook_port: int) -> str:
-    # loopback only (HTTP, the one media UDP port, ICE candidates; no ICE/TCP listener, which would
-    # bind every address); node-selector limits raised so a busy machine still gets rooms
-    return f"""\
-port: {port}
-bind_addresses: ["127.0.0.1"]
-rtc:
-  tcp_port: 0
-  udp_port: {udp_port}
-  node_ip: 127.0.0.1
-  use_external_ip: false
-  enable_loopback_candidate: true
-  interfaces:
-    includes: [lo]
-  ips:
-    includes: [127.0.0.1/32]
-keys:
-  {API_KEY}: {API_SECRET}
-webhook:
-  api_key: {API_KEY}
-  urls: ["http://127.0.0.1:{webhook_port}/webhook"]
-node_selector:
-  cpu_load_limit: 100
-  sysload_limit: 100
-logging:
-  level: info
-"""
 
 
 @dataclass
@@ -86,8 +42,8 @@ class Stack:
         self.logs, self.tmp = workdir / "logs", workdir / "tmp"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.tmp.mkdir(exist_ok=True)
-        self.binary = livekit_binary()
-        self.lk_port, self.udp_port, self.webhook_port = free_port(), free_port(socket.SOCK_DGRAM), free_port()
+        self.binary = livekit_server.find_binary()
+        self.lk_port, self.udp_port, self.webhook_port = free_port(), free_udp_port(), free_port()
         self.engine_port = free_port()
         self.procs: dict[str, subprocess.Popen] = {}  # role -> process group leader
         self.worker_ports = {tag: free_port() for tag in ("a", "b")}
@@ -137,9 +93,8 @@ class Stack:
             raise FileNotFoundError("no livekit-server binary: run scripts/install_livekit_server.sh or set "
                                     "LIVEKIT_SERVER_BIN")  # fmt: skip
         config = self.workdir / "livekit.yaml"
-        config.write_text(livekit_config(self.lk_port, self.udp_port, self.webhook_port))
-        proc = self._launch("livekit-server", [str(self.binary), "--config", str(config), "--bind", "127.0.0.1",
-                                               "--node-ip", "127.0.0.1"], self.env())  # fmt: skip
+        config.write_text(livekit_server.config(self.lk_port, self.udp_port, self.webhook_port, API_KEY, API_SECRET))
+        proc = self._launch("livekit-server", livekit_server.command(self.binary, config), self.env())
         self._wait_http(self.http_url, proc, "livekit-server", timeout)
 
     def stop_livekit(self) -> None:
