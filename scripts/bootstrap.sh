@@ -2,7 +2,7 @@
 # One-time (and idempotent) set-up: system packages (Debian's apt, or Homebrew on a Mac), uv, and
 # the project's virtual environment. Re-running it on a machine that is already set up takes about
 # a second. BOOTSTRAP_DRY_RUN=1 prints what it would install, run and write, and changes nothing;
-# BOOTSTRAP_UNAME / BOOTSTRAP_ARCH stand in for `uname -s` / `uname -m` (tests/test_mac_path.py
+# BOOTSTRAP_UNAME / BOOTSTRAP_ARCH stand in for `uname -s` / `uname -m` (tests/infra/test_mac_path.py
 # runs the Mac branch on Linux that way, with stand-in brew and python3 on PATH).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -3,7 +3,7 @@
 #   - Debian's `chromium` (apt-get, as root; skipped when /usr/bin/chromium exists),
 #   - Node.js + npm from Debian when `npm` is missing,
 #   - `npm ci` of agent/voice_agent/web (livekit-client, whose UMD build `voice-agent web` serves)
-#     and of tests/browser (playwright-core, which drives the system Chromium).
+#     and of tests/support/browser (playwright-core, which drives the system Chromium).
 # Idempotent: a set-up machine takes well under a second (npm ci runs only when a lock file is
 # newer than its node_modules). Exits non-zero with the reason when something cannot be installed.
 set -euo pipefail
@@ -20,7 +20,7 @@ source scripts/apt_install.sh
 apt_install "${missing[@]}"
 
 # npm ci for each package folder whose node_modules is missing or older than its lock file.
-for dir in agent/voice_agent/web tests/browser; do
+for dir in agent/voice_agent/web tests/support/browser; do
   stamp="$dir/node_modules/.package-lock.json"  # npm writes it on every install
   if [ -f "$stamp" ] && [ ! "$dir/package-lock.json" -nt "$stamp" ]; then
     continue

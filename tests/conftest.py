@@ -78,7 +78,7 @@ def bundled_path():
 # server's connection handlers may outlive a request by a moment (aiohttp), or live as long as
 # the server fixture (the engine).
 _NOT_OURS = ("/_pytest/", "/pytest_asyncio/", "/aiohttp/web_protocol.py", "/qwen3_tts_engine/",
-             "/tests/tcp_proxy.py")  # fmt: skip
+             "/tests/support/tcp_proxy.py")  # fmt: skip
 
 
 @pytest.fixture

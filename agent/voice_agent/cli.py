@@ -30,7 +30,7 @@ from voice_agent.settings import (
 
 # LiveKit's own options of the commands its CLI runs, name -> (takes a value, help). Our parser
 # knows them so that `--help` is quick and lists the settings too, and a mistyped flag fails
-# before anything starts; tests/test_agent_cli_livekit.py keeps this equal to livekit-agents' CLI.
+# before anything starts; tests/system/test_agent_cli_livekit.py keeps this equal to livekit-agents' CLI.
 _LOG_LEVEL = ("log-level", True, "LiveKit's log level (DEBUG, INFO, WARN, ERROR, CRITICAL)")
 _SERVER = (("url", True, "the LiveKit server's WebSocket URL [LIVEKIT_URL]"),
            ("api-key", True, "[LIVEKIT_API_KEY]"), ("api-secret", True, "[LIVEKIT_API_SECRET]"))  # fmt: skip

@@ -1,7 +1,7 @@
 """Sentence splitting for long inputs: the rules of LiveKit's basic sentence tokenizer
 (livekit-agents `tokenize/_basic_sent.py`, Apache-2.0, itself after
 https://stackoverflow.com/a/31505798), ported so that the engine does not import LiveKit.
-tests/test_engine_package.py checks that both split the same texts the same way."""
+tests/engine/test_package.py checks that both split the same texts the same way."""
 
 from __future__ import annotations
 

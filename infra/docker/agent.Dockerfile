@@ -2,7 +2,7 @@
 #   docker build -f infra/docker/agent.Dockerfile --target agent      -t qwen3-voice-agent .
 #   docker build -f infra/docker/agent.Dockerfile --target tts-engine -t qwen3-tts-engine .
 # Both install exactly uv.lock (`uv sync --frozen`), with the uv version scripts/bootstrap.sh pins.
-# tests/test_infra.py checks that every file copied here exists and that the package names are
+# tests/infra/test_infra.py checks that every file copied here exists and that the package names are
 # workspace members, and plans the engine image's install from only what its stage copies (no
 # docker engine runs in the tests).
 #
@@ -60,7 +60,7 @@ RUN apt-get update \
     && ln -s "$(ls /usr/lib/*/libopenblas.so.0 /usr/lib/*/openblas-pthread/libopenblas.so.0 2>/dev/null | head -1)" \
        /usr/local/lib/libopenblas-preload.so.0
 ENV LD_PRELOAD=/usr/local/lib/libopenblas-preload.so.0
-# The engine package alone: no LiveKit, no agent (tests/test_engine_package.py plans this install).
+# The engine package alone: no LiveKit, no agent (tests/engine/test_package.py plans this install).
 COPY engine/ engine/
 RUN uv sync --frozen --no-dev --package qwen3-tts-engine
 EXPOSE 8880

@@ -508,7 +508,7 @@ def _check_round_trip(sanitized: dict, expected: dict, what: str, skip=()) -> No
 EOS_MODES = ("never", "random", "text")
 # Residual-stream dimensions that the "text" mode reserves (the last three of 64).
 _MARK, _COUNT, _SCORE = 61, 62, 63
-# Values chosen by measurement (the eos tests in tests/test_engine_synthesis.py): about 1.3 frames
+# Values chosen by measurement (the eos tests in tests/engine/worker/test_synthesis.py): about 1.3 frames
 # per text token plus four, and an EOS logit that swings from about -60 to +60 around the crossing.
 _MARK_VALUE, _COUNT_VALUE, _ALPHA, _THETA, _BETA = 8.0, 8.0, 4.0, 0.42, 64.0
 

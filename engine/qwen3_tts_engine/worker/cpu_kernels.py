@@ -17,7 +17,7 @@ The Snake activations (x + sin²(αx) / β, after every convolution of the decod
 `mx.power(s, 2)`, a general power; `mx.square` is the same value (to float rounding) at half the
 activation's cost. With both, a tiny-vocoder chunk takes ~0.1 s here instead of ~1.35 s.
 
-The results equal mlx's kernels' to float rounding (tests/test_cpu_kernels.py). The modules keep
+The results equal mlx's kernels' to float rounding (tests/engine/worker/test_cpu_kernels.py). The modules keep
 their weights and their place in the model (only their class changes), so loading, casting and
 the vocoder's streaming state are untouched; other devices keep mlx's kernels.
 """

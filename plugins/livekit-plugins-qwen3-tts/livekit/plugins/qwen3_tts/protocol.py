@@ -1,5 +1,5 @@
 """The client's half of the engine's streaming speech protocol (qwen3-tts-engine's
-`qwen3_tts_engine/protocol.py` is the server's half; tests/test_wire_contract.py keeps the two
+`qwen3_tts_engine/protocol.py` is the server's half; tests/plugins/qwen3_tts/test_wire_contract.py keeps the two
 in step, without this plugin importing the engine).
 
 `POST /v1/audio/speech` takes OpenAI's fields plus vLLM-Omni's Qwen3-TTS fields and streams
