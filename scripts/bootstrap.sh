@@ -120,16 +120,12 @@ fi
 # uv sync --frozen installs exactly uv.lock; it is a no-op when .venv already matches.
 run "$TOOLS/bin/uv" sync --frozen --quiet --python "$PYTHON"
 
-# run.sh and test.sh source this file. mlx-cpu links the reference BLAS; Debian's OpenBLAS is
-# ~10x faster for fp32 GEMM (docs/mlx-on-linux.md). A Mac runs mlx on Metal: no preload there.
-if [ "$UNAME" = Darwin ]; then
-  env_line="# macOS: no BLAS preload (mlx runs on the GPU through Metal)"
-else
-  OPENBLAS=$(ls /usr/lib/*/libopenblas.so.0 /usr/lib/*/openblas-pthread/libopenblas.so.0 2>/dev/null | head -1 || true)
-  env_line="export LD_PRELOAD=$OPENBLAS"
-fi
+# No environment file to source: every `qwen3-tts` command and engine worker that runs mlx on
+# Linux loads Debian's OpenBLAS itself (engine/qwen3_tts_engine/fast_blas.py; mlx-cpu links the
+# reference BLAS, ~6x slower first audio). A Mac runs mlx on Metal. An .venv/openblas.env left by
+# an older checkout is removed, so nothing keeps sourcing it.
 if dry_run; then
-  log "would write .venv/openblas.env: $env_line"
+  [ ! -e .venv/openblas.env ] || log "would remove .venv/openblas.env (no longer used)"
 else
-  printf '%s\n' "$env_line" > .venv/openblas.env
+  rm -f .venv/openblas.env
 fi

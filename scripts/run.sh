@@ -3,6 +3,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-source .venv/openblas.env
 export LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE=0
 exec .venv/bin/voice-agent demo "$@"

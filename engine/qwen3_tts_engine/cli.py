@@ -265,6 +265,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from qwen3_tts_engine.bench.formats import run_formats_bench
 
         return run_formats_bench(args)
+    if args.what == "blas":
+        from qwen3_tts_engine.bench.blas import run_blas_bench
+
+        args.frames = args.frames or 8
+        return run_blas_bench(args)
     if args.what == "concurrency":
         from qwen3_tts_engine.bench.concurrency import run_concurrency_bench
 
@@ -448,15 +453,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parsers(sub)
 
-    b = sub.add_parser("bench", help="benchmarks (JSON): engine (default), swap, spawn, formats "
-                       "or concurrency")
-    b.add_argument("what", nargs="?", choices=["engine", "swap", "spawn", "formats", "concurrency"],
+    b = sub.add_parser("bench", help="benchmarks (JSON): engine (default), swap, spawn, formats, "
+                       "concurrency or blas")
+    b.add_argument("what", nargs="?", choices=["engine", "swap", "spawn", "formats", "concurrency", "blas"],
                    default="engine",
                    help="engine: per-variant latency and memory; swap: governor swap latency, "
                    "audio gap and memory in both swap modes; spawn: a worker's start-up cost "
                    "besides loading weights; formats: first byte and encode cost per response "
                    "format, as ratios to pcm; concurrency: many streams on one model "
-                   "(continuous batching): first audio, real-time factor and frames/s per level")
+                   "(continuous batching): first audio, real-time factor and frames/s per level; blas: "
+                   "first audio of `serve` started from a clean environment vs with OpenBLAS "
+                   "preloaded, and the BLAS each worker runs")
     b.add_argument("--variants", default="bf16,8bit,6bit,4bit,talker-mlp-w4")
     b.add_argument("--model", help="checkpoint (default: a tiny random one)")
     b.add_argument("--repeats", type=int, default=5)

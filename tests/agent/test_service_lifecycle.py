@@ -295,6 +295,10 @@ def test_our_own_llm_server_is_reused_with_its_model(tmp_path, make_env, shared_
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))  # fmt: skip
             report = json.loads(_until(users[-1].stdout.readline, "ensure_llm", proc=users[-1]))
             assert report == {"started": len(users) == 1, "model": str(model)}
+        if sys.platform.startswith("linux"):  # mlx on the CPU: the server got OpenBLAS (fast_blas.py)
+            (server,) = [p for p in psutil.process_iter(["cmdline"])
+                         if "mlx_lm.server" in (p.info["cmdline"] or []) and port in p.info["cmdline"]]  # fmt: skip
+            assert "libopenblas" in Path(f"/proc/{server.pid}/maps").read_text()
         for user in users:
             user.stdin.write("\n")
             user.stdin.flush()
