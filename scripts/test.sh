@@ -17,6 +17,8 @@ optional() {  # optional WHAT COMMAND...: run an installer; fail under CI, warn 
 optional "livekit-server" bash scripts/install_livekit_server.sh
 # The browser-client test needs Debian's chromium and the npm packages (livekit-client, playwright-core).
 optional "the browser test's tools" bash scripts/install_browser.sh
+# The monitoring tests check Prometheus's config and the dashboard's queries with promtool.
+optional "promtool" bash scripts/install_promtool.sh
 export LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE=0 HF_HUB_OFFLINE=1
 
 # No torch in the environment; the check fails loudly if the package listing itself fails.

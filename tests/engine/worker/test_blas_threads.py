@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from qwen3_tts_engine.fast_blas import use_fast_blas
 from qwen3_tts_engine.worker import blas_threads as bt
 
 
@@ -18,9 +19,9 @@ def _threads() -> int:
 def openblas():
     """OpenBLAS at 2 threads (as on a 2-core machine, whatever this one has); its count and
     this thread's CPU affinity as they were afterwards."""
-    if "openblas" not in os.environ.get("LD_PRELOAD", ""):
-        pytest.skip("OpenBLAS is not preloaded here (the test command preloads it on Linux)")
-    assert bt.available(), "LD_PRELOAD names OpenBLAS but its thread functions are not found"
+    if use_fast_blas() is None:  # tests/conftest.py loaded it already, where there is one
+        pytest.skip("no OpenBLAS here (Debian: libopenblas0-pthread; macOS runs mlx on Metal)")
+    assert bt.available(), "OpenBLAS is loaded but its thread functions are not found"
     setter = bt._openblas()[0]
     before, affinity = _threads(), os.sched_getaffinity(0)
     setter(2)
