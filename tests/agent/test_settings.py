@@ -1,4 +1,5 @@
-"""Settings: defaults < `.env` < environment < command-line flags, and the README's tables."""
+"""Settings: defaults < `.env` < environment < command-line flags, and the documented tables
+(docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 from voice_agent.cli import build_parser
 from voice_agent.settings import KeeperSettings, Settings, WebSettings, from_args, markdown_table
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+# the page that holds the generated settings tables
+CONFIG_DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 @pytest.fixture
@@ -85,10 +87,11 @@ def test_bad_values_are_one_line_errors(clean_env):
 @pytest.mark.parametrize("cls", [Settings, WebSettings, KeeperSettings])
 def test_readme_tables_are_the_generated_ones(cls):
     """Regenerate each table from the dataclass metadata: a setting added, renamed or changed
-    without updating the README fails here (`voice-agent settings` prints the agent's table)."""
-    readme = README.read_text()
+    without updating docs/configuration.md fails here (`voice-agent settings` prints the agent's
+    table)."""
+    readme = CONFIG_DOC.read_text()
     table = markdown_table(cls).splitlines()
-    # the README's table that starts with the same header line and the same first row
+    # the page's table that starts with the same header line and the same first row
     found = []
     for m in re.finditer(r"^( *)" + re.escape(table[0]) + r"\n", readme, re.M):
         indent, lines = m.group(1), []
@@ -98,5 +101,5 @@ def test_readme_tables_are_the_generated_ones(cls):
             lines.append(line[len(indent):])
         if len(lines) > 2 and lines[2].split("|")[1] == table[2].split("|")[1]:
             found.append(lines)
-    assert len(found) == 1, f"expected one README table for {cls.__name__}, found {len(found)}"
-    assert found[0] == table, "README.md's table differs from markdown_table(): regenerate it"
+    assert len(found) == 1, f"expected one table for {cls.__name__} in {CONFIG_DOC.name}, found {len(found)}"
+    assert found[0] == table, "docs/configuration.md's table differs from markdown_table(): regenerate it"

@@ -15,6 +15,7 @@ the real parsers where one is at hand:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -46,13 +47,15 @@ EXPECTED = [
     "k8s/agent-worker.yaml", "k8s/tts-engine.yaml", "k8s/call-keeper.yaml", "k8s/kustomization.yaml",
 ]  # fmt: skip
 
-# Real Qwen3-TTS 0.6B weight bytes per variant (README: Memory-pressure governor;
-# `qwen3-tts bench --real-size-memory`) plus the worker baseline: one engine worker's footprint.
 MB = 10**6
-WEIGHTS_MB = {"bf16": 1812, "8bit": 1287, "4bit": 1007}
-WORKER_BASELINE_MB = 450
-FOOTPRINT = {v: (w + WORKER_BASELINE_MB) * MB for v, w in WEIGHTS_MB.items()}
-SPARE_WORKER_MB = 100  # `--spare-worker`: a started worker with no model (~90 MB RSS measured)
+# Streams in flight that a make-before-break swap must leave room for: `--max-batch` streams,
+# each this many seconds (12.5 frames a second) into its utterance; the agent sends one sentence
+# per request. Their KV caches grow per frame and stream by (bench/memory.py `kv_per_frame`,
+# 0.1802 MB with bf16 weights) the talker's 28 layers x K,V x 8 heads x 128 values, in its
+# compute dtype, plus the vocoder's 8 layers x K,V x 16 heads x 64 float32 values.
+IN_FLIGHT_SECONDS = 10
+KV_BYTES_PER_FRAME = {None: 28 * 2 * 8 * 128 * 2 + 8 * 2 * 16 * 64 * 4,
+                      "float32": 28 * 2 * 8 * 128 * 4 + 8 * 2 * 16 * 64 * 4}  # fmt: skip
 
 # Variables the deployment may set that are not voice-agent settings.
 OTHER_ENV = {"LIVEKIT_URL", "LIVEKIT_API_KEY", "LIVEKIT_API_SECRET", "NUM_CPUS", "QWEN3_TTS_API_KEY"}
@@ -114,23 +117,79 @@ def policy_for(args):
     return engine_config(args).governor.policy
 
 
-def check_engine_memory(limit: int, args) -> None:
-    """The limit the governor reads fits the ladder: the top rung runs below the downgrade
-    watermark and every one-rung swap can be make-before-break (as infra/ documents)."""
+@functools.cache
+def real_size_tensors():
+    """The real 0.6B architecture's parameter shapes (mlx-audio's modules, no weight evaluated)."""
+    from qwen3_tts_engine.bench.memory import real_size_tensors
+
+    return real_size_tensors()
+
+
+def compute_dtype(args) -> str | None:
+    """The dtype the talker computes in: auto is float32 on mlx's CPU backend
+    (worker/loading.resolve_compute_dtype), the backend of the Linux images infra/ deploys;
+    weights (None) is the weights' own dtype."""
+    return {"auto": "float32", "weights": None}.get(args.compute_dtype, args.compute_dtype)
+
+
+def engine_memory(args):
+    """The engine a `qwen3-tts serve` command line runs, by the footprint model
+    (models/memory_plan.py): the real 0.6B's weights per rung of its ladder (recipes, vocoder
+    dtype, compute dtype), the measured worker runtime, the server process and the spare."""
+    from qwen3_tts_engine.models.memory_plan import EngineMemory, rung_memory, weight_bytes
+
+    root, vocoder, layers = real_size_tensors()
+    rungs = [rung_memory(v, weight_bytes(root, vocoder, v, layers, compute_dtype(args)))
+             for v in policy_for(args).ladder]  # fmt: skip
+    return EngineMemory(rungs, spare_worker=args.spare_worker)
+
+
+def check_engine_memory(limit: int, args, request: int | None = None) -> None:
+    """The memory limit the governor reads (and the request, where there is one) fits the
+    ladder, by the footprint model and the governor's own decisions (governor/policy.py):
+    - requests cover the top rung while it speaks (with the server and the spare);
+    - the top rung loads below the critical watermark and speaks below the downgrade one;
+    - every one-rung swap down is make-before-break while the old rung speaks, with room left
+      for IN_FLIGHT_SECONDS of KV cache in each of `--max-batch` streams;
+    - after a swap down, the idle engine climbs back (below the upgrade watermark, and the
+      larger rung fits);
+    - the smallest rung is not under pressure itself."""
+    from qwen3_tts_engine.governor.memory import MemoryReading
+    from qwen3_tts_engine.governor.policy import MAKE_BEFORE_BREAK, PolicyState, choose_mode, decide
+
     policy = policy_for(args)
-    # the footprints were measured with the weights' own dtype (auto computes in float32 on a CPU)
-    assert args.compute_dtype == "weights", "FOOTPRINT holds for --compute-dtype weights only"
     ladder = list(policy.ladder)
-    assert set(ladder) <= set(FOOTPRINT), f"no footprint known for {ladder}"
     start = args.variant[0] if args.variant else ladder[0]
     assert start == ladder[0], "the engine should start on the ladder's top rung"
-    spare = SPARE_WORKER_MB * MB if args.spare_worker else 0  # counted in the working set too
-    smallest = FOOTPRINT[ladder[-1]] + spare
-    assert limit >= smallest / policy.downgrade_at, "even the smallest rung would be under pressure"
-    assert (FOOTPRINT[ladder[0]] + spare) / limit < policy.downgrade_at, "the top rung would downgrade at once"
-    for big, small in zip(ladder, ladder[1:], strict=False):
-        both = FOOTPRINT[big] + FOOTPRINT[small] + spare
-        assert both <= policy.make_before_break_below * limit, f"{big}->{small} not make-before-break"
+    em = engine_memory(args)
+    # each rung at its largest (loading or speaking): the governor's own footprints are the RSS it
+    # read after warm-up and at swaps, which a loading or speaking worker exceeds
+    footprints = {r.variant: r.largest for r in em.rungs}
+
+    def at(used: int) -> MemoryReading:
+        return MemoryReading("manual", limit, used)
+
+    need = {r.variant: r.mb for r in em.rungs}
+    if request is not None:
+        assert request >= em.request(), f"requests {request / MB:.0f} MB < {em.request() / MB:.0f} MB: {need}"
+    assert em.starting(0) < policy.critical_at * limit, f"the top rung's load is critical: {need}"
+    assert em.serving(0) < policy.downgrade_at * limit, f"the top rung would downgrade at once: {need}"
+    assert em.serving(len(ladder) - 1) < policy.downgrade_at * limit, "even the smallest rung is under pressure"
+    in_flight = args.max_batch * IN_FLIGHT_SECONDS * 25 // 2 * KV_BYTES_PER_FRAME[compute_dtype(args)]
+    for i, (big, small) in enumerate(zip(ladder, ladder[1:], strict=False)):
+        swap = em.swap_bytes(i)
+        enough = f"a limit of {(swap + in_flight) / policy.make_before_break_below / 2**20:.0f} MiB ({need})"
+        assert choose_mode(policy, at(em.serving(i)), footprints[small]) == MAKE_BEFORE_BREAK, (
+            f"{big}->{small} is not make-before-break: {swap / MB:.0f} MB > "
+            f"{policy.make_before_break_below} x {limit / MB:.0f} MB; needs {enough}")  # fmt: skip
+        assert swap + in_flight <= policy.make_before_break_below * limit, (
+            f"{big}->{small}: {swap / MB:.0f} MB leaves less than {in_flight / MB:.0f} MB for the "
+            f"streams in flight; needs {enough}")  # fmt: skip
+        # idle on the smaller rung, the governor climbs back
+        idle = at(em.settled(i + 1))
+        _, state = decide(policy, PolicyState(), idle, small, footprints, 0.0)
+        up, _ = decide(policy, state, idle, small, footprints, policy.upgrade_hold_s + 1)
+        assert up is not None and up.target == big, f"an idle engine on {small} stays there: {state.note}"
 
 
 def workspace_members() -> dict[str, Path]:
@@ -561,9 +620,9 @@ def test_k8s_tts_engine_probes_metrics_and_memory():
     notes = objs[("Deployment", "tts-engine")]["spec"]["template"]["metadata"]["annotations"]
     assert notes["prometheus.io/scrape"] == "true" and notes["prometheus.io/path"] == "/metrics"
     assert int(notes["prometheus.io/port"]) == args.port
-    check_engine_memory(k8s_quantity(c["resources"]["limits"]["memory"]), args)
-    # requests: what the pod normally holds (the top rung's footprint), for the scheduler
-    assert k8s_quantity(c["resources"]["requests"]["memory"]) >= FOOTPRINT[policy_for(args).ladder[0]]
+    # requests: what the pod holds while the top rung speaks, for the scheduler
+    check_engine_memory(k8s_quantity(c["resources"]["limits"]["memory"]), args,
+                        request=k8s_quantity(c["resources"]["requests"]["memory"]))  # fmt: skip
 
 
 def test_k8s_agent_worker_drain_config_and_urls():

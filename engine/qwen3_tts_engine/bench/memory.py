@@ -24,7 +24,10 @@ from mlx_audio.tts.models.qwen3_tts.config import (
     Qwen3TTSTokenizerDecoderConfig,
     Qwen3TTSTokenizerEncoderConfig,
 )
-from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import Qwen3TTSSpeechTokenizer
+from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import (
+    Qwen3TTSSpeechTokenizer,
+    Qwen3TTSSpeechTokenizerDecoder,
+)
 
 from qwen3_tts_engine.dispatch.handler import Handler, Result
 from qwen3_tts_engine.models.checkpoints import cache_root
@@ -49,11 +52,9 @@ def real_size_dir() -> Path:
     return cache_root() / "real-size" / "custom_voice-0b6-seed0"
 
 
-def write_real_size_checkpoint(out: Path, seed: int = 0) -> Path:
-    """A CustomVoice checkpoint with the real 0.6B sizes and random weights (bf16 talker, float32
-    speech tokenizer, ~2.5 GB): the tiny checkpoint's tokenizer, ids and speakers, scaled up."""
-
-
+def real_size_config() -> dict:
+    """The root config.json of the real-size checkpoint: the tiny checkpoint's ids and speakers
+    with the real 0.6B talker and code-predictor sizes."""
     config = tiny.tiny_config("custom_voice")
     real = dataclasses.asdict(ModelConfig.from_dict(
         {"tts_model_type": "custom_voice", "tts_model_size": "0b6"}).talker_config)  # fmt: skip
@@ -61,6 +62,27 @@ def write_real_size_checkpoint(out: Path, seed: int = 0) -> Path:
     talker.update({k: real[k] for k in _SIZE_KEYS})
     talker["code_predictor_config"].update(
         {k: real["code_predictor_config"][k] for k in (*_SIZE_KEYS[:6], "layer_types")})
+    return config
+
+
+def real_size_tensors() -> tuple[dict, dict, int]:
+    """The real-size checkpoint's tensors as its safetensors headers would list them, without
+    writing or computing a weight (mlx arrays are lazy: building the modules allocates nothing
+    until an array is evaluated): (the root tensors, bf16; the speech tokenizer's decoder,
+    float32, named `decoder.*`; the talker's layer count), for `models.memory_plan`. The speech
+    tokenizer's encoder is left out: CustomVoice models drop it at load."""
+    config = real_size_config()
+    model = Model(ModelConfig.from_dict(config))
+    root = {k: (tuple(v.shape), "BF16") for k, v in tree_flatten(model.parameters())}
+    decoder = Qwen3TTSSpeechTokenizerDecoder(Qwen3TTSTokenizerDecoderConfig())
+    vocoder = {f"decoder.{k}": (tuple(v.shape), "F32") for k, v in tree_flatten(decoder.parameters())}
+    return root, vocoder, config["talker_config"]["num_hidden_layers"]
+
+
+def write_real_size_checkpoint(out: Path, seed: int = 0) -> Path:
+    """A CustomVoice checkpoint with the real 0.6B sizes and random weights (bf16 talker, float32
+    speech tokenizer, ~2.5 GB): the tiny checkpoint's tokenizer, ids and speakers, scaled up."""
+    config = real_size_config()
     out.mkdir(parents=True, exist_ok=True)
     model = Model(ModelConfig.from_dict(config))
     mx.random.seed(seed)
@@ -109,10 +131,35 @@ def _mb(v) -> float | None:
     return round(v / MB, 1) if v is not None else None
 
 
-async def measure_rung(model: str, rung: str, frames: int = FRAMES) -> dict:
-    """One fresh engine worker for `rung`: memory after load and after one synthesis."""
-    h = Handler(model, rung, warmup=False)
+def _hwm(pid: int | None) -> int | None:
+    """The process's RSS high-water mark (Linux: VmHWM), None where unknown."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _reset_hwm(pid: int | None) -> bool:
+    """Reset the process's RSS high-water mark to its RSS now (Linux >= 4.0: clear_refs 5)."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+async def measure_rung(model: str, rung: str, frames: int = FRAMES, compute_dtype: str | None = None) -> dict:
+    """One fresh engine worker for `rung` (its talker computing in `compute_dtype`, None: the
+    weights' dtype): memory after load and after one synthesis. The peaks: RSS sampled every 50
+    ms while it speaks, and the kernel's high-water mark of the RSS after load (the load's
+    peak) and, reset then, after the utterance (the peak while it speaks; Linux)."""
+    h = Handler(model, rung, warmup=False, compute_dtype=compute_dtype)
     info = await h.start()
+    hwm_load = _hwm(h.pid)
+    reset = _reset_hwm(h.pid)
     peak = 0
 
     async def sample() -> None:
@@ -134,6 +181,7 @@ async def measure_rung(model: str, rung: str, frames: int = FRAMES) -> dict:
         sampler.cancel()
         await asyncio.sleep(0.5)  # the worker releases freed memory once the stream is done
         after = await h.memory()
+        hwm = _hwm(h.pid)
     finally:
         sampler.cancel()
         await h.stop(drain=False)
@@ -141,7 +189,7 @@ async def measure_rung(model: str, rung: str, frames: int = FRAMES) -> dict:
     loaded, warm = fp.get("loaded", {}), info.get("memory", {})
     weights = fp.get("talker_bytes", 0) + fp.get("speech_tokenizer_bytes", 0) + fp.get("speaker_encoder_bytes", 0)
     return {
-        "rung": rung, "quantized_modules": len(info.get("quantized_modules", {})),
+        "rung": rung, "compute_dtype": info.get("compute_dtype"), "quantized_modules": len(info.get("quantized_modules", {})),
         "load_s": info.get("load_s"), "synthesis_s": synth_s, "frames": n,
         "mb": {
             "talker_weights": _mb(fp.get("talker_bytes")),
@@ -150,6 +198,8 @@ async def measure_rung(model: str, rung: str, frames: int = FRAMES) -> dict:
             "rss_after_load": _mb(loaded.get("rss_bytes")),
             "rss_before_synthesis": _mb(warm.get("rss_bytes")),
             "rss_peak_during_synthesis": _mb(peak),
+            "rss_hwm_after_load": _mb(hwm_load),  # the largest RSS while loading
+            "rss_hwm_while_speaking": _mb(hwm) if reset else None,  # ... while speaking
             "rss_after_synthesis": _mb(after.get("rss_bytes")),
             "runtime": _mb(after.get("rss_bytes", 0) - weights),  # interpreter, libraries, caches
             "mlx_active_after_synthesis": _mb(after.get("mlx_active_bytes")),
@@ -160,7 +210,8 @@ async def measure_rung(model: str, rung: str, frames: int = FRAMES) -> dict:
     }  # fmt: skip
 
 
-def run_memory_bench(rungs=DEFAULT_RUNGS, model: str | None = None, progress=print) -> dict:
+def run_memory_bench(rungs=DEFAULT_RUNGS, model: str | None = None, progress=print,
+                     compute_dtype: str | None = None) -> dict:  # fmt: skip
     if model is None:
         path = real_size_dir()
         if not (path / "speech_tokenizer" / "config.json").is_file():
@@ -172,13 +223,15 @@ def run_memory_bench(rungs=DEFAULT_RUNGS, model: str | None = None, progress=pri
         progress(f"  {rung}: quantizing into the cache (child process)")
         _child(_prepare, model, rung)
         progress(f"  {rung}: fresh worker")
-        out["rungs"][rung] = asyncio.run(measure_rung(model, rung))
+        out["rungs"][rung] = asyncio.run(measure_rung(model, rung, compute_dtype=compute_dtype))
         progress(f"  {rung}: {out['rungs'][rung]['mb']}")
     bf16 = out["rungs"].get("bf16", {}).get("mb", {})
     if bf16:
         out["ratio_to_bf16"] = {
             key: {r: round(v["mb"][key] / bf16[key], 3) for r, v in out["rungs"].items()}
-            for key in ("rss_after_load", "rss_peak_during_synthesis", "rss_after_synthesis")
+            for key in ("rss_after_load", "rss_peak_during_synthesis", "rss_after_synthesis",
+                        "rss_hwm_after_load", "rss_hwm_while_speaking")
+            if all(v["mb"][key] for v in out["rungs"].values())
         }  # fmt: skip
     return out
 
@@ -187,10 +240,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--variants", default=",".join(DEFAULT_RUNGS))
     p.add_argument("--model", help="a full-precision checkpoint (default: real-size random weights)")
+    p.add_argument("--compute-dtype", choices=("weights", "float32"), default="weights",
+                   help="the talker's compute dtype (default: the weights' own)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     rungs = [v.strip() for v in args.variants.split(",") if v.strip()]
-    report = run_memory_bench(rungs, args.model, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    report = run_memory_bench(rungs, args.model, progress=lambda m: print(m, file=sys.stderr, flush=True),
+                              compute_dtype=None if args.compute_dtype == "weights" else args.compute_dtype)  # fmt: skip
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -510,6 +510,8 @@ async def test_a_final_past_conn_timeout_carries_the_words_heard_and_the_stream_
         run.stream.push_frame(frame)
     run.flush()
     await wait_until(lambda: len(scripted.windows) > passes, "a held pass")
+    # The stats entry is written before the event reaches the reader: wait for both.
+    await wait_until(lambda: Kind.FINAL_TRANSCRIPT in run.kinds(), "the timed-out final event")
     await wait_until(lambda: len(run.stream.stats.utterances) == 1, "the timed-out final")
     (result,) = run.stream.stats.utterances
     assert result.timed_out and not result.reused_pass
