@@ -1,6 +1,6 @@
 """One settings object for the voice agent: defaults < `.env` < environment < CLI flags.
 
-`FIELDS` documents every setting (the README's configuration table is generated from it).
+`FIELDS` documents every setting (docs/configuration.md's table is generated from it).
 `WebSettings` is the same pattern for `voice-agent web` (the browser client's server).
 A field's `check` refuses bad values in one place, wherever they come from: a flag (argparse's
 one-line error), the environment or `.env` (an error that names the variable).
@@ -220,7 +220,7 @@ class Settings(_EnvSettings):
                                        "the server's default)", check=_not_negative)
     llm_timeout: float = _f("LLM_TIMEOUT", 120.0, "seconds; local prefill can be slow",
                              check=_positive)
-    # Turn-taking: when the agent decides the user has finished (README: Turn-taking).
+    # Turn-taking: when the agent decides the user has finished (docs/agent.md: Turn-taking).
     vad_min_silence: float = _f("VAD_MIN_SILENCE", 0.35, "seconds of silence before Silero reports "
                                 "the end of speech (LiveKit's default: 0.55)", check=_positive)
     endpointing_min_delay: float = _f("ENDPOINTING_MIN_DELAY", 0.5, "seconds after the last speech "
@@ -272,7 +272,7 @@ class Settings(_EnvSettings):
                               "endpoints (`/`, `/worker`; 0: any free port)", check=_port)
     worker_tag: str | None = _f("WORKER_TAG", None, "name of this worker, published as the agent "
                                 "participant's `worker` attribute (unset: none)")
-    # Phone calls: callers that are SIP participants (README: Phone calls).
+    # Phone calls: callers that are SIP participants (docs/telephony.md).
     phone_greeting: str = _f("PHONE_GREETING", "Hello! You are speaking with a voice assistant. "
                              "How can I help you?", "what the agent says when a phone caller "
                              "joins ({caller_number}: the caller's number, digit by digit; empty: "

@@ -116,7 +116,7 @@ def check_settings(settings: WebSettings) -> None:
                                       ("LIVEKIT_API_SECRET", settings.livekit_api_secret)) if not value]  # fmt: skip
     if missing:
         raise ConfigError(f"{', '.join(missing)} not set: the token endpoint needs the LiveKit "
-                          "server's URL and an API key pair (environment or .env; see the README)")  # fmt: skip
+                          "server's URL and an API key pair (environment or .env; see docs/agent.md)")  # fmt: skip
     url = settings.web_livekit_url or settings.livekit_url
     if not re.match(r"(wss?|https?)://[^/\s]+", url or ""):
         raise ConfigError(f"LiveKit URL for the browser {url!r} is not a ws://, wss://, http:// "

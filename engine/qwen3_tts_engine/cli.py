@@ -309,7 +309,7 @@ def _add_governor_options(s: argparse.ArgumentParser) -> None:
     from qwen3_tts_engine.governor.policy import MODES, Policy
 
     d = Policy()
-    g = s.add_argument_group("memory-pressure governor (README: Memory-pressure governor)")
+    g = s.add_argument_group("memory-pressure governor (docs/governor.md)")
     g.add_argument("--ladder", default=",".join(d.ladder), action=_Given,
                    help=f"variants from largest to smallest (default {','.join(d.ladder)}); "
                    "without --variant the engine starts at the first")

@@ -53,7 +53,7 @@ CMD ["voice-agent", "start"]
 # mlx's Linux CPU backend: functional, far from real time (the README's benchmarks); Apple
 # Silicon hosts run `qwen3-tts serve` natively, GPU hosts run vLLM-Omni (TTS_PROTOCOL=vllm-omni).
 FROM base AS tts-engine
-# mlx-cpu links the reference BLAS; OpenBLAS preloaded is ~10x faster (as scripts/bootstrap.sh).
+# mlx-cpu links the reference BLAS; OpenBLAS preloaded is several times faster (docs/benchmarks.md: BLAS).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends libopenblas0-pthread \
     && rm -rf /var/lib/apt/lists/* \

@@ -2,7 +2,7 @@
 Silero VAD and faster-whisper (bundled tiny.en), compared with the same speech in wideband.
 
 The numbers (word error both ways, VAD end of speech both ways) are printed as JSON and quoted in
-the README's "Phone calls" section.
+docs/telephony.md.
 """
 
 from __future__ import annotations

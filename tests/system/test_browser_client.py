@@ -227,7 +227,7 @@ def _drive_browser(url: str, wav: Path, room: str, screenshot: Path, log: Path) 
            "--words", ",".join(WORDS), "--agent-words", ",".join(AGENT_WORDS),
            "--screenshot", str(screenshot),
            "--chromium", str(chromium_path()), "--timeout", str(BROWSER_TIMEOUT)]  # fmt: skip
-    # no LD_PRELOAD: the OpenBLAS that .venv/openblas.env preloads for mlx breaks thread creation
+    # no LD_PRELOAD (a user may still preload OpenBLAS for mlx by hand): a preloaded OpenBLAS breaks thread creation
     # in node and Chromium (node: "pthread_create: Invalid argument"; Chromium's pages crash)
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     with open(log, "wb") as err:

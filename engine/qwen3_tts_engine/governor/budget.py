@@ -26,7 +26,7 @@ METRICS: dict[str, tuple[str, str, bool]] = {
     "logmel": ("log-mel L1", "mean |Δ ln mel|, Slaney 80 bands", False),
     "cer": ("CER", "character error rate of the Whisper transcript", False),
 }
-# Defaults for real checkpoints; tiny random test checkpoints fail them (see the README).
+# Defaults for real checkpoints; tiny random test checkpoints fail them (see docs/quantization.md: The gate).
 DEFAULT_BUDGET = {
     "cb0_kl": {"max": 0.05},
     "cp_kl": {"max": 0.1},

@@ -33,7 +33,7 @@ def nominal_bits(variant: str) -> float:
 
 @dataclass(frozen=True)
 class Policy:
-    """The governor's settings; the defaults are the documented ones (README)."""
+    """The governor's settings; the defaults are the documented ones (docs/governor.md)."""
 
     # Largest first. Rungs without a passing quality report for the model are left off at start
     # (governor/gate.py), so the bottom rung is the smallest one that passed.

@@ -171,7 +171,7 @@ RECIPES: dict[str, Recipe] = {
     "4bit-emb8": _with_embeddings(4, 8, 8, "4bit-emb8"),
     "4bit-emb4": _with_embeddings(4, 4, 4, "4bit-emb4"),
     # The codec embeddings are small (~70 MB in bf16 of the 0.6B) and at 4 bits cost more
-    # quality than the text embedding does (README: Quantization quality): 8 bits for them.
+    # quality than the text embedding does (docs/quantization.md): 8 bits for them.
     "4bit-temb4-cemb8-voc16": replace(
         _with_embeddings(4, 4, 8, "4bit-temb4-cemb8-voc16"), vocoder_dtype="bfloat16",
         description="every Linear and the text embedding at 4 bits, the codec embeddings at 8, "

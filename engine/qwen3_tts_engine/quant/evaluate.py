@@ -76,7 +76,7 @@ class EvalSettings:
     noise_seed_offset: int = 1000
     calibration_texts: tuple[str, ...] = CALIBRATION_TEXTS
     # GPTQ needs many more calibration frames than an evaluation needs items: 96 frames made it
-    # worse than round-to-nearest on a tiny checkpoint, ~1000 better (README).
+    # worse than round-to-nearest on a tiny checkpoint, ~1000 better (docs/benchmarks.md: Quantization quality).
     calibration_frames: int | None = None  # None: the engine's default cap for each text
     budget: dict = field(default_factory=lambda: dict(DEFAULT_BUDGET))
     n_boot: int = 2000
