@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBIAN_PACKAGES=(espeak-ng sox libportaudio2 libopenblas0-pthread python3-venv)
+DEBIAN_PACKAGES=(espeak-ng sox libportaudio2 libopenblas0-pthread python3-venv haproxy)
 # On a Mac, Homebrew's espeak-ng and sox give the tests the speech they get on Linux; without
 # them the demo speaks with macOS's own `say`. sounddevice's macOS wheel bundles PortAudio, PyAV's
 # bundles FFmpeg: nothing else is needed from Homebrew.
@@ -118,7 +118,13 @@ if [ ! -x "$TOOLS/bin/uv" ] || [ "$("$TOOLS/bin/uv" --version | awk '{print $2}'
 fi
 
 # uv sync --frozen installs exactly uv.lock; it is a no-op when .venv already matches.
-run "$TOOLS/bin/uv" sync --frozen --quiet --python "$PYTHON"
+# --compile-bytecode: uv does not write .pyc files by default, and where PYTHONDONTWRITEBYTECODE
+# is set (CI images, containers) Python never caches them either, so every process would
+# compile transformers, livekit-agents and the rest from source: importing an engine worker took
+# 4.4 s of CPU instead of 1.6 s, an agent process 4.6 s instead of 1.8 s.
+run "$TOOLS/bin/uv" sync --frozen --quiet --compile-bytecode --python "$PYTHON"
+# The workspace's own packages (editable installs) too; up-to-date files are skipped.
+run .venv/bin/python -m compileall -q -j 0 agent engine plugins >/dev/null
 
 # No environment file to source: every `qwen3-tts` command and engine worker that runs mlx on
 # Linux loads Debian's OpenBLAS itself (engine/qwen3_tts_engine/fast_blas.py; mlx-cpu links the

@@ -20,6 +20,11 @@ optional "the browser test's tools" bash scripts/install_browser.sh
 # The monitoring tests check Prometheus's config and the dashboard's queries with promtool.
 optional "promtool" bash scripts/install_promtool.sh
 export LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE=0 HF_HUB_OFFLINE=1
+# One BLAS/OpenMP thread per process: the suite's parallelism is its pytest workers and the
+# servers they start, and more threads per process only contend for the same cores (OpenBLAS's
+# idle threads spin): the suite used 7 % less CPU (1168 -> 1092 CPU-s, docs/benchmarks.md).
+# tests/engine/worker/test_blas_threads.py sets its own counts.
+export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 # No torch in the environment; the check fails loudly if the package listing itself fails.
 if .venv/bin/python -m pip --version >/dev/null 2>&1; then lister=(.venv/bin/python -m pip list); else lister=(.cache/uv/bin/uv pip list --python .venv/bin/python); fi
@@ -37,7 +42,8 @@ fi
 # Import contracts (pyproject.toml [tool.importlinter]): the engine never imports LiveKit, its
 # layers point one way, the agent uses its public API only.
 .venv/bin/lint-imports
-# Two pytest workers (pytest-xdist), one test file at a time each: most tests wait on a server or
-# run single-threaded mlx code, so two files side by side use the 2 cores that CI has.
-# PYTEST_WORKERS=0 runs everything in one process.
-exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
+# Two pytest workers (pytest-xdist), one test file at a time each, on CI's 2 cores. Three were
+# faster (664 -> 524-637 s, docs/benchmarks.md) but loaded the machine so that each of four runs
+# found a new race; those are fixed, and PYTEST_WORKERS=3 is the way to try again.
+# PYTEST_WORKERS=0: one process.
+exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

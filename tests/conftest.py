@@ -11,6 +11,11 @@ from qwen3_tts_engine.fast_blas import use_fast_blas
 
 os.environ.setdefault("LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# No real-time frame budget unless a test sets one (tests/engine/serving/test_load.py does): the
+# tiny checkpoint's vocoder runs ~6x slower than real time on a 2-core CPU, so with the default
+# 80 ms budget every engine would admit one stream at a time and tests of batching would queue.
+# Engines the tests start as processes inherit it (docs/fleet.md).
+os.environ.setdefault("QWEN3_TTS_FRAME_BUDGET_MS", "off")
 # Tests run mlx in this process too (on the main thread): OpenBLAS before any test module
 # imports mlx, as every `qwen3-tts` command and worker process loads it (fast_blas.py).
 use_fast_blas()
@@ -128,3 +133,30 @@ def pytest_runtest_makereport(item, call):
         return
     report.outcome = "failed"
     report.longrepr = f"skipped, and CI is set (CI must run every test; install what it needs): {reason}"
+
+
+# -- the longest files first ---------------------------------------------------------------------
+
+# Files that take longest on 2 cores (sums of `--durations=0` in a fresh CI run), in that order.
+# scripts/test.sh runs two workers, a file at a time each, in collection order
+# (`--dist loadfile --no-loadscope-reorder`): started first, they finish alongside the rest
+# instead of running alone at the end. Only the order changes; a file not listed keeps its place.
+LONGEST_FIRST = (
+    "tests/system/test_soak.py",
+    "tests/engine/quant/test_eval.py",
+    "tests/system/test_bench_smoke.py",
+    "tests/system/test_livekit_distribution.py",
+    "tests/agent/test_service_lifecycle.py",
+    "tests/agent/test_pipeline.py",
+    "tests/plugins/faster_whisper/test_streaming.py",
+    "tests/agent/test_cli_errors.py",
+    "tests/engine/worker/test_vocoder_streams.py",
+    "tests/plugins/qwen3_tts/test_failover.py",
+    "tests/agent/test_local_engine_sharing.py",
+    "tests/system/test_browser_client.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable

@@ -19,6 +19,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from voice_agent.metrics_dir import use_multiprocess_dir
+from voice_agent.preflight import preflight_problem
 from voice_agent.settings import (
     KeeperSettings,
     Settings,
@@ -98,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(d)
     b = sub.add_parser("bench", help="how soon the agent answers (tuned vs baseline settings); "
                        "TTS under LLM contention; `bench soak`: calls under injected faults (JSON)")
-    b.add_argument("suite", nargs="?", choices=["soak"], help="soak: callers keep calling a real "
-                   "livekit-server (two workers, one engine) while faults are injected")
+    b.add_argument("suite", nargs="?", choices=["soak", "fleet"], help="soak: callers keep calling a "
+                   "real livekit-server (two workers, one engine) while faults are injected; fleet: "
+                   "the TTS plugin's priority vs balanced strategy over engines pinned to cores")
     b.add_argument("--turns", type=int, default=6, help="plain spoken questions per configuration")
     b.add_argument("--paused-turns", type=int, default=5,
                    help="questions with a pause in the middle per configuration")
@@ -113,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--short", action="store_true", help="the short version: 2.5 minutes, each fault once")
     soak.add_argument("--keep", action="store_true", help="keep the work folder (logs) after the run")
     soak.add_argument("--logs", type=Path, help="copy the processes' logs into this folder at the end")
+    fleet = b.add_argument_group("fleet (`voice-agent bench fleet`)")
+    fleet.add_argument("--engines", type=int, default=2, help="engines, one per CPU core")
+    fleet.add_argument("--streams", type=int, default=24, help="streams per phase")
+    fleet.add_argument("--gap", type=float, default=0.25, help="seconds between arrivals")
+    fleet.add_argument("--engine-max-batch", type=int, default=8, help="each engine's --max-batch")
+    fleet.add_argument("--frames", type=int, default=24, help="max frames per utterance")
+    fleet.add_argument("--engine-model", help="checkpoint (default: the tiny random one)")
     add_arguments(b)
     w = sub.add_parser("web", help="the browser client and its LiveKit token endpoint")
     add_arguments(w, WebSettings)
@@ -132,13 +141,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _metrics_port() -> int:
-    try:
-        return Settings.load().metrics_port
-    except Exception:  # run_worker reports a bad setting, in one line
-        return 0
-
-
 def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=os.environ.get("VOICE_AGENT_LOG_LEVEL", "WARNING"),
@@ -147,12 +149,16 @@ def _main(argv: list[str] | None = None) -> int:
     if args.command in LIVEKIT_COMMANDS:
         lk_argv, env = livekit_argv(args)
         os.environ.update(env)
-        if args.command in ("start", "dev") and _metrics_port():
+        settings = Settings.load()  # a bad setting fails first, in one line (SystemExit)
+        if problem := preflight_problem(lk_argv):  # before livekit.agents' seconds of imports
+            print(f"voice-agent: {problem}", file=sys.stderr)
+            return 1
+        if args.command in ("start", "dev") and settings.metrics_port:
             use_multiprocess_dir()  # before livekit.agents imports prometheus_client
         # CLI start-up time (livekit.agents takes seconds), and after use_multiprocess_dir
         from voice_agent.worker import run_worker
 
-        return run_worker(lk_argv)
+        return run_worker(lk_argv, settings)
     if args.command == "settings":
         print(markdown_table())
         return 0
@@ -181,6 +187,11 @@ def _main(argv: list[str] | None = None) -> int:
         except (RuntimeError, TimeoutError, FileNotFoundError) as e:
             print(f"voice-agent: error: {e}", file=sys.stderr)
             return 1
+    if args.command == "bench" and args.suite == "fleet":
+        from voice_agent.lab.fleet_bench import run_fleet_bench  # CLI start-up time: the lab
+
+        return run_fleet_bench(args.engine_model, args.engines, args.streams, args.gap,
+                               args.engine_max_batch, args.frames, args.out)  # fmt: skip
     # CLI start-up time: the harness (LiveKit's pipeline) and the services, for demo and bench only
     from voice_agent.harness.demo import TurnAudioError, run_demo
     from voice_agent.services import resolve_offline

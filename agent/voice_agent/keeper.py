@@ -326,7 +326,6 @@ class CallKeeper:
         if current is not None and current.dispatch_id is not None and not await self._retire(room, current.dispatch_id):
             return  # our last dispatch was given to a worker: its agent is on the way
         recovery = Recovery(room, reason, lost, time.monotonic())
-        self.recoveries.append(recovery)
         try:
             dispatch = await self._lk.agent_dispatch.create_dispatch(api.CreateAgentDispatchRequest(
                 agent_name=self.agent_name, room=room, metadata=json.dumps({"resume": lost is not None, "reason": reason})))
@@ -334,9 +333,14 @@ class CallKeeper:
             if current is not None:
                 current.dispatch_id = dispatch.id
             logger.warning("room %s: %s; dispatched a new agent (%s)", room, reason, dispatch.id)
+        except asyncio.CancelledError:  # the keeper stops
+            recovery.error = "cancelled: the keeper stopped"
+            raise
         except Exception as e:
             recovery.error = f"{type(e).__name__}: {e}"
             logger.error("room %s: %s; dispatch failed: %s", room, reason, recovery.error)
+        finally:  # published once the dispatch call has returned or failed: readers see its outcome
+            self.recoveries.append(recovery)
 
     def _forget(self, room: str, watch: RoomWatch) -> None:
         if self.rooms.get(room) is watch:

@@ -85,6 +85,7 @@ def build_tts(settings: Settings, url: str):
         protocol=settings.tts_protocol, max_new_tokens=settings.tts_max_new_tokens,
         first_clause_min_words=settings.tts_first_clause_words,
         first_clause_chunk_frames=settings.tts_first_clause_chunk_frames,
+        text_input=settings.tts_text_input,
     )  # fmt: skip
 
 

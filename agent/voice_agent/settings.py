@@ -233,12 +233,18 @@ class Settings(_EnvSettings):
                             "(a trailing 'and', 'for', comma... waits ENDPOINTING_MAX_DELAY), livekit "
                             "(livekit-plugins-turn-detector's model, when installed with its model "
                             "files), none", check=_choice("rule", "livekit", "none"))
-    tts_first_clause_words: int = _f("TTS_FIRST_CLAUSE_WORDS", 3, "a reply's first request to the "
-                                     "TTS is its first clause once it has this many words (a comma, "
-                                     "dash...); 0: whole sentences", check=_not_negative)
+    tts_text_input: str = _f("TTS_TEXT_INPUT", "auto", "how the reply's text reaches the TTS "
+                             "engine: stream (as the LLM writes it, over the engine's WebSocket), "
+                             "sentences (a request per sentence and first clause), auto (stream "
+                             "where the engine's status says it can: ours, not vLLM-Omni)",
+                             check=_choice("auto", "stream", "sentences"))
+    tts_first_clause_words: int = _f("TTS_FIRST_CLAUSE_WORDS", 3, "sentence input: a reply's first "
+                                     "request to the TTS is its first clause once it has this many "
+                                     "words (a comma, dash...); 0: whole sentences",
+                                     check=_not_negative)
     tts_first_clause_chunk_frames: int = _f("TTS_FIRST_CLAUSE_CHUNK_FRAMES", 2, "codec frames in the "
                                             "first audio chunk of a reply's first request (1, 2 or "
-                                            "4; later requests: 4)", check=_choice(1, 2, 4))
+                                            "4; later requests: 4); streamed input: of each reply", check=_choice(1, 2, 4))
     preemptive_generation: bool = _f("PREEMPTIVE_GENERATION", True, "start the LLM on the final "
                                      "transcript before the turn is committed (LiveKit's; redone "
                                      "if the transcript changes)")

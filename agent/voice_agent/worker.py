@@ -10,12 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from urllib.parse import urlparse
+from collections.abc import Mapping
 
 import httpx
 from livekit.agents import AgentServer, JobContext, JobProcess, cli
@@ -24,7 +22,7 @@ from livekit.agents.telemetry import set_tracer_provider
 from livekit.agents.voice.room_io import RoomOptions
 from livekit.agents.worker import _DefaultLoadCalc
 
-from livekit.plugins.qwen3_tts import EngineLoad
+from voice_agent.fleet_load import FleetPoller, engine_load
 from voice_agent.observability import TurnMetrics, tracer_provider_from_env
 from voice_agent.pipeline import VoiceAgent, build_session, build_stt, build_vad
 from voice_agent.recovery import CallRecord, chat_context, is_resume_dispatch
@@ -34,19 +32,6 @@ from voice_agent.telephony import PhoneCall, PhoneCaller
 
 logger = logging.getLogger("voice_agent")
 STALE_AFTER_S = 5.0  # no engine status for this long: the engine counts as saturated
-
-
-def engine_load(status: Mapping | None, capacity: int) -> float:
-    """The TTS engine's share of the worker load (0..1) from its `/v1/engine/status` body.
-
-    Queue: requests waiting or in flight on all handlers / `capacity` (LiveKit marks the worker
-    full at its load_threshold, 0.7 in production: with capacity 4 that is 3 requests).
-    Memory (engines with a governor): 0 at or below the governor's `upgrade_at` (memory is
-    comfortable), 1 at `critical_at`, linear between, so a 0.7 threshold falls near `downgrade_at`,
-    where the engine itself starts stepping down its precision ladder.
-    """
-    load = EngineLoad.from_status(status)
-    return min(1.0, max(0.0, load.queue_depth / max(1, capacity), load.memory_load()))
 
 
 def worker_load(cpu: float, status: Mapping | None, capacity: int, *, stale: bool = False) -> float:
@@ -111,24 +96,26 @@ class EnginePoller:
                 self._stop.wait(self.interval)
 
 
-_poller: EnginePoller | None = None
+_poller: FleetPoller | None = None
 _poller_lock = threading.Lock()
 
 
 def load(server: AgentServer) -> float:
-    """AgentServer.load_fnc (called from an executor thread every 0.5 s)."""
+    """AgentServer.load_fnc (called from an executor thread every 0.5 s): the busier of this
+    host's CPU and the TTS fleet it uses (voice_agent.fleet_load: every engine behind TTS_URL)."""
     global _poller
     cpu = _DefaultLoadCalc.get_load(server) if os.environ.get("AGENT_LOAD_CPU") != "0" else 0.0
-    url = (os.environ.get("TTS_URL") or "").split(",")[0].strip()
-    if not url:
+    urls = [u.strip() for u in (os.environ.get("TTS_URL") or "").split(",") if u.strip()]
+    if not urls:
         return cpu
     with _poller_lock:
-        if _poller is None or not _poller.url.startswith(url.rstrip("/")):
-            _poller = EnginePoller(url, api_key=os.environ.get("QWEN3_TTS_API_KEY")).start()
+        if _poller is None or _poller.urls != [u.rstrip("/") for u in urls]:
+            if _poller is not None:
+                _poller.stop()
+            _poller = FleetPoller(urls, api_key=os.environ.get("QWEN3_TTS_API_KEY")).start()
         poller = _poller
     capacity = int(os.environ.get("TTS_QUEUE_CAPACITY") or 4)  # run_worker sets it from Settings
-    status = poller.status if poller.supported else None
-    return worker_load(cpu, status, capacity, stale=poller.stale)
+    return min(1.0, max(cpu, poller.load(capacity)))
 
 
 def prewarm(proc: JobProcess) -> None:
@@ -207,55 +194,10 @@ async def _aclose(call: PhoneCall) -> None:
     call.close()
 
 
-def _url_option(argv: Sequence[str]) -> str | None:
-    """The value of LiveKit's `--url` option in `argv` (it wins over LIVEKIT_URL), if given."""
-    for i, arg in enumerate(argv):
-        if arg == "--url" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--url="):
-            return arg.split("=", 1)[1]
-    return None
-
-
-def _check_livekit_url(argv: Sequence[str] = ()) -> str | None:
-    url = _url_option(argv) or os.environ.get("LIVEKIT_URL")
-    if not url:
-        return "LIVEKIT_URL is not set (and LIVEKIT_API_KEY / LIVEKIT_API_SECRET): see docs/agent.md"
-    u = urlparse(url)
-    try:
-        port = u.port or (443 if u.scheme in ("wss", "https") else 80)
-    except ValueError as e:  # a port out of range or not a number
-        return f"LIVEKIT_URL {url!r} is not a valid URL: {e}"
-    if u.scheme not in ("ws", "wss", "http", "https") or not u.hostname:
-        return f"LIVEKIT_URL {url!r} is not a ws://, wss://, http:// or https:// URL"
-    try:
-        socket.create_connection((u.hostname, port), timeout=3).close()
-    except OSError as e:
-        return f"cannot reach the LiveKit server at {url}: {e}"
-    return None
-
-
-def _check_audio_devices() -> str | None:
-    try:
-        import sounddevice  # optional: it needs the PortAudio library, and only console mode does
-
-        sounddevice.query_devices(kind="input")
-    except (OSError, ImportError) as e:
-        return (f"no audio device for console mode ({e}); on Debian install libportaudio2, "
-                "on a Mac check the microphone permission")  # fmt: skip
-    except Exception as e:  # sounddevice.PortAudioError: no default input device
-        return f"no microphone found for console mode: {e}"
-    return None
-
-
-def run_worker(argv: list[str]) -> int:
+def run_worker(argv: list[str], settings: Settings) -> int:
+    """LiveKit's command `argv` with `settings`, once `voice-agent` has loaded them and found no
+    problem (`preflight.preflight_problem`)."""
     command = argv[0] if argv else ""
-    settings = Settings.load()  # bad values in the environment or .env fail first, in one line
-    problem = (_check_audio_devices() if command == "console"
-               else _check_livekit_url(argv) if command in ("start", "dev", "connect") else None)  # fmt: skip
-    if problem:
-        print(f"voice-agent: {problem}", file=sys.stderr)
-        return 1
     settings = resolve_offline(settings)
     if settings.offline:
         os.environ["VOICE_AGENT_OFFLINE"] = "1"  # job processes pick the bundled STT model too

@@ -19,10 +19,15 @@ import time
 from pathlib import Path
 
 from qwen3_tts_engine.audio import pcm16, write_wav
+from qwen3_tts_engine.dispatch.capacity import BUDGET_ENV, parse_budget_ms
 from qwen3_tts_engine.fast_blas import use_fast_blas
 from qwen3_tts_engine.protocol import (
     COMPUTE_CHOICES,
     DEFAULT_MAX_BATCH,
+    DEFAULT_TEXT_PACE,
+    DEFAULT_TEXT_START_TOKENS,
+    MAX_TEXT_START_TOKENS,
+    MIN_TEXT_PACE,
     SAMPLE_RATE,
     EngineStatus,
     RequestError,
@@ -34,6 +39,10 @@ from qwen3_tts_engine.protocol import (
 )
 from qwen3_tts_engine.serving.auth import API_KEY_ENV, OPERATOR_KEY_ENV, bearer_header
 from qwen3_tts_engine.tiny_checkpoints import TINY_WARNING, default_tiny_checkpoint
+
+# environment defaults of `serve --text-start-tokens / --text-pace` (a flag wins)
+TEXT_START_TOKENS_ENV = "QWEN3_TTS_TEXT_START_TOKENS"
+TEXT_PACE_ENV = "QWEN3_TTS_TEXT_PACE"
 
 
 def _need_mlx() -> None:
@@ -80,6 +89,7 @@ def engine_config(args: argparse.Namespace):
         operator_key=os.environ.get(OPERATOR_KEY_ENV) or None, insecure_no_auth=args.insecure_no_auth,
         ref_audio_dir=Path(args.ref_audio_dir) if args.ref_audio_dir else None,
         limits=Limits(max_input_chars=args.max_input_chars), max_queue=args.max_queue,
+        text_start_tokens=args.text_start_tokens, text_pace=args.text_pace,
     )  # fmt: skip
     server.voice_aliases.update(args.voice_alias or {})
     governor = GovernorConfig(
@@ -95,6 +105,7 @@ def engine_config(args: argparse.Namespace):
         variants=args.variant or ([policy.ladder[0]] if args.ladder_given else [None]),
         max_batch=args.max_batch, max_queue=args.max_queue,
         compute_dtype=compute_dtype_option(args.compute_dtype), server=server, governor=governor,
+        frame_budget_s=args.frame_budget_ms, step_delay_s=args.fault_step_delay_ms / 1000,
     )  # fmt: skip
 
 
@@ -275,6 +286,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         args.frames = args.frames or 32
         return run_concurrency_bench(args)
+    if args.what == "first-chunk":
+        from qwen3_tts_engine.bench.first_chunk import run_first_chunk_bench
+
+        args.frames = args.frames or 48
+        return run_first_chunk_bench(args)
     args.frames = args.frames or 8
     if args.what == "spawn":
         from qwen3_tts_engine.bench.spawn import run_spawn_bench
@@ -355,6 +371,30 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _frame_budget(text: str) -> float | None:
+    try:
+        return parse_budget_ms(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _text_start_tokens(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_TEXT_START_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_TEXT_START_TOKENS}, got {value}")
+    return value
+
+
+def _text_pace(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not MIN_TEXT_PACE <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be between {MIN_TEXT_PACE} and 1, got {value}")
+    return value
+
+
 def _client_levels(text: str) -> tuple[int, ...]:
     try:
         levels = tuple(_positive_int(v) for v in text.split(",") if v.strip())
@@ -399,6 +439,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=_positive_int, default=DEFAULT_MAX_BATCH, metavar="N",
                    help="syntheses one worker runs together (continuous batching); more wait "
                         f"in its queue (default {DEFAULT_MAX_BATCH})")
+    s.add_argument("--frame-budget-ms", type=_frame_budget, default=os.environ.get(BUDGET_ENV, "80"),
+                   metavar="MS|off", help="admit a stream only while a batch step stays under this "
+                   "(a frame plays for 80 ms); fewer streams than --max-batch run where steps are "
+                   f"slower, the rest queue (docs/fleet.md). 'off': --max-batch streams. Default "
+                   f"${BUDGET_ENV} or 80")
+    s.add_argument("--fault-step-delay-ms", type=float, default=0.0, metavar="MS",
+                   help="fault injection: every batch step sleeps MS per stream in it, as on a "
+                   "slower host (drills and tests of the real-time admission)")
     s.add_argument("--compute-dtype", choices=COMPUTE_CHOICES, default="auto",
                    help="what the talker computes in (default auto: float32 on mlx's CPU backend, "
                    "where its matmuls run on BLAS (the real 0.6B talker's step 1.6x faster "
@@ -406,6 +454,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "bfloat16 weights for the talker; its weights' own dtype on a Mac or GPU. "
                    "weights: always the weights' dtype)")
     s.add_argument("--max-input-chars", type=int, default=4000)
+    # a string default goes through `type`: a bad environment value is refused like a bad flag
+    s.add_argument("--text-start-tokens", type=_text_start_tokens, metavar="N",
+                   default=os.environ.get(TEXT_START_TOKENS_ENV, str(DEFAULT_TEXT_START_TOKENS)),
+                   help="streamed text: text tokens committed before the first frame, 1-"
+                   f"{MAX_TEXT_START_TOKENS} (default ${TEXT_START_TOKENS_ENV} or "
+                   f"{DEFAULT_TEXT_START_TOKENS}; docs/engine-api.md)")
+    s.add_argument("--text-pace", type=_text_pace, metavar="P",
+                   default=os.environ.get(TEXT_PACE_ENV, str(DEFAULT_TEXT_PACE)),
+                   help=f"dual-track: text tokens fed per frame at most, {MIN_TEXT_PACE}-1 (default "
+                   f"${TEXT_PACE_ENV} or {DEFAULT_TEXT_PACE}: the reference code's one per frame)")
     s.add_argument("--voice-alias", action=_VoiceAlias, metavar="NAME=VOICE",
                    help="a voice name requests may use for one of the model's voices (repeatable; "
                    "OpenAI's names are mapped by default, e.g. alloy=vivian, echo=aiden)")
@@ -454,8 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_parsers(sub)
 
     b = sub.add_parser("bench", help="benchmarks (JSON): engine (default), swap, spawn, formats, "
-                       "concurrency or blas")
-    b.add_argument("what", nargs="?", choices=["engine", "swap", "spawn", "formats", "concurrency", "blas"],
+                       "concurrency, blas or first-chunk")
+    b.add_argument("what", nargs="?", choices=["engine", "swap", "spawn", "formats", "concurrency", "blas",
+                                                 "first-chunk"],
                    default="engine",
                    help="engine: per-variant latency and memory; swap: governor swap latency, "
                    "audio gap and memory in both swap modes; spawn: a worker's start-up cost "
@@ -463,13 +522,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "format, as ratios to pcm; concurrency: many streams on one model "
                    "(continuous batching): first audio, real-time factor and frames/s per level; blas: "
                    "first audio of `serve` started from a clean environment vs with OpenBLAS "
-                   "preloaded, and the BLAS each worker runs")
+                   "preloaded, and the BLAS each worker runs; first-chunk: first audio and seams "
+                   "with a 1-, 2- and 4-frame first chunk, sentence and streamed text")
     b.add_argument("--variants", default="bf16,8bit,6bit,4bit,talker-mlp-w4")
     b.add_argument("--model", help="checkpoint (default: a tiny random one)")
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument("--frames", type=_positive_int, default=None,
                    help="frames per request (engine: default 8, first audio and one more chunk; "
-                        "concurrency: default 32)")
+                        "concurrency: default 32; first-chunk: the cap per sentence, default 48)")
     b.add_argument("--streams", type=_client_levels, default=(1, 2, 4, 8),
                    help="concurrency: levels, comma-separated (default 1,2,4,8)")
     b.add_argument("--compute-dtype", choices=COMPUTE_CHOICES, default="auto",
@@ -488,6 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="swap: plain loads per variant whose median is the reference (default 2)")
     b.add_argument("--real-size-memory", action="store_true",
                    help="also build the real 0.6B architecture (random weights) per variant")
+    b.add_argument("--tokens-per-s", type=float, default=40.0,
+                   help="first-chunk: how fast the simulated LLM writes ~3-character pieces "
+                   "(default 40)")
     b.add_argument("--out", help="also write the JSON here")
     b.set_defaults(fn=cmd_bench)
     return p

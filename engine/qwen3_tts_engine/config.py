@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from qwen3_tts_engine.dispatch.capacity import default_frame_budget
 from qwen3_tts_engine.dispatch.engine import Engine
 from qwen3_tts_engine.dispatch.handler import Handler
 from qwen3_tts_engine.governor.governor import Governor
@@ -47,6 +48,10 @@ class EngineConfig:
     max_queue: int = 32
     compute_dtype: str | None = None  # None: the weights' dtype; "auto": float32 on a CPU
     warmup: bool = True
+    # the longest a batch step may take for a stream to be admitted (None: no budget, max_batch
+    # streams); default $QWEN3_TTS_FRAME_BUDGET_MS or 80 ms (dispatch/capacity.py)
+    frame_budget_s: float | None = field(default_factory=default_frame_budget)
+    step_delay_s: float = 0.0  # fault injection: sleep per stream per batch step
     server: ServerConfig = field(default_factory=ServerConfig)
     governor: GovernorConfig | None = None
 
@@ -61,7 +66,8 @@ class EngineConfig:
 
     def handler(self, variant: str | None) -> Handler:
         return Handler(self.model, variant, warmup=self.warmup, max_queue=self.max_queue,
-                       max_batch=self.max_batch, compute_dtype=self.compute_dtype)  # fmt: skip
+                       max_batch=self.max_batch, compute_dtype=self.compute_dtype,
+                       frame_budget_s=self.frame_budget_s, step_delay_s=self.step_delay_s)  # fmt: skip
 
 
 def build_server(config: EngineConfig) -> EngineServer:

@@ -28,6 +28,9 @@ class WorkerSpec:
     max_batch: int = 8
     compute_dtype: str | None = None  # None: the weights' dtype; "auto", "float32"...
     progress: bool = False  # draw download / quantization progress bars on stderr
+    # fault injection (tests, drills): every batch step sleeps this long per stream in it, as a
+    # slower host would take (dispatch/capacity.py then finds fewer streams in real time)
+    step_delay_s: float = 0.0
 
 
 # -- server -> worker ------------------------------------------------------------------------
@@ -42,6 +45,21 @@ class Synthesize:
 
 @dataclass(frozen=True)
 class Cancel:
+    id: str
+
+
+@dataclass(frozen=True)
+class AppendText:
+    """More text of a streamed-text synthesis (`SpeechRequest.text_stream`)."""
+
+    id: str
+    text: str
+
+
+@dataclass(frozen=True)
+class EndText:
+    """A streamed text is complete."""
+
     id: str
 
 
@@ -88,6 +106,12 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class TextCommitted:
+    id: str
+    tokens: int  # text tokens of a streamed text committed so far (tokenizer-stable)
+
+
+@dataclass(frozen=True)
 class Done:
     id: str
     stats: dict = field(default_factory=dict)
@@ -113,11 +137,22 @@ class BatchingReport:
     stats: dict
 
 
+@dataclass(frozen=True)
+class StepTimes:
+    """Batch steps since the last report: (streams in the step, seconds) each, on the worker's
+    clock; and the underruns since then (chunks made after a listener who started playing at
+    the stream's first audio needed them)."""
+
+    steps: tuple[tuple[int, float], ...]
+    underruns: int = 0
+
+
 # What the server's reader thread makes of a worker that is gone (EOF on the pipe).
 @dataclass(frozen=True)
 class Died:
     exitcode: int | None
 
 
-ToWorker = Synthesize | Cancel | Taken | QueryMemory | Stop | WorkerSpec
-FromWorker = SpareReady | Ready | LoadFailed | Chunk | Done | Failed | MemoryReport | BatchingReport
+ToWorker = Synthesize | Cancel | Taken | AppendText | EndText | QueryMemory | Stop | WorkerSpec
+FromWorker = (SpareReady | Ready | LoadFailed | Chunk | TextCommitted | Done | Failed | MemoryReport
+              | BatchingReport | StepTimes)  # fmt: skip

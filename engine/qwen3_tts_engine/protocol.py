@@ -15,6 +15,19 @@ SAMPLE_RATE = 24000
 FRAME_RATE = 12.5
 FRAME_SAMPLES = 1920  # one 80 ms codec frame at 24 kHz
 CHUNK_FRAMES = 4  # a 4-token chunk: 320 ms, 7680 samples
+# The talker's text layouts (QwenLM/Qwen3-TTS `non_streaming_mode`): "prompt" puts the whole
+# text in the prompt (non-streaming), "dual" feeds one text token per frame (dual-track).
+TEXT_MODES = ("prompt", "dual")
+# Streamed text (dual-track), docs/engine-api.md "Streaming text input" says why these values:
+# text tokens committed before the first frame (1: first audio as soon as a word is complete)
+DEFAULT_TEXT_START_TOKENS = 1
+MAX_TEXT_START_TOKENS = 64
+# text tokens fed per frame at most: 1.0 is the reference code's dual-track (one per frame)
+DEFAULT_TEXT_PACE = 1.0
+MIN_TEXT_PACE = 0.5  # two frames per token: within default_max_new_tokens's cap
+# the first chunk of a streamed-text utterance (unless the request asks): its text arrives as it
+# is written, so first audio is all that waits; 2 frames = 160 ms of audio, half a vocoder call
+STREAM_FIRST_CHUNK_FRAMES = 2
 BYTES_PER_SAMPLE = 2  # s16le mono
 # Syntheses one handler worker advances together (continuous batching; `serve --max-batch`).
 DEFAULT_MAX_BATCH = 8
@@ -38,6 +51,10 @@ def compute_dtype_option(choice: str) -> str | None:
     """What a `--compute-dtype` choice asks the loader for ("weights": None)."""
     return None if choice == "weights" else choice
 
+
+# Streamed text input: one utterance per WebSocket (serving/speech_stream.py has the messages).
+SPEECH_STREAM_PATH = "/v1/audio/speech/stream"
+SPEECH_STREAM_SUBPROTOCOL = "qwen3-tts.speech.v1"
 
 # Response headers the engine sets; the client reads them.
 HEADER_VARIANT = "X-Qwen3-TTS-Variant"
@@ -76,19 +93,26 @@ OPENAI_VOICE_ALIASES = {
 }  # fmt: skip  # OpenAI's stream_format: raw audio bytes, or server-sent events
 
 
+# The error code of a 429 from an engine that cannot take a request in time (its batch is at its
+# real-time slots and its queue at its bound): try another engine, or this one after Retry-After.
+ENGINE_FULL = "engine_full"
+
+
 class RequestError(ValueError):
     """A client error: becomes a 4xx answer with an OpenAI-style JSON body."""
 
-    def __init__(self, message: str, *, param: str | None = None, status: int = 400) -> None:
+    def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+                 code: str | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
+        self.code = code  # a name for the error ("engine_full"); the status when None
 
     def to_json(self) -> dict[str, Any]:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param,
-                          "code": self.status}}  # fmt: skip
+                          "code": self.code or self.status}}  # fmt: skip
 
 
 def normalize_language(value: str | None) -> str:
@@ -133,6 +157,12 @@ class SpeechRequest:
     seed: int | None = None
     variant: str | None = None
     first_chunk_frames: int = CHUNK_FRAMES
+    # the talker's text layout: "prompt" (non-streaming) | "dual" (dual-track); None: the
+    # reference code's default for the model's task (`text_mode_for`)
+    text_mode: str | None = None
+    text_stream: bool = False  # the text comes in pieces (the WebSocket route), dual-track
+    text_start_tokens: int | None = None  # streamed text: text tokens before the first frame
+    text_pace: float | None = None  # dual-track: text tokens fed per frame at most (<= 1)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,15 +215,29 @@ def check_input(text: str | None, limits: Limits | None = None) -> str:
     return text
 
 
-def parse_speech_request(body: Any, limits: Limits | None = None) -> SpeechRequest:
-    """Validate a decoded JSON body. Raises RequestError with the offending field."""
+def parse_speech_request(body: Any, limits: Limits | None = None, *,
+                         text_stream: bool = False) -> SpeechRequest:  # fmt: skip
+    """Validate a decoded JSON body. Raises RequestError with the offending field.
+
+    `text_stream`: the body starts a streamed-text session (the WebSocket route's
+    `session.start`): its text comes later (an `input`, if any, is the first piece), its audio
+    is PCM and its layout dual-track."""
     limits = limits or Limits()
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
 
-    text = check_input(_opt(body, "input", (str,), "a string"), limits)
+    if text_stream:
+        text = _opt(body, "input", (str,), "a string") or ""
+        if len(text) > limits.max_input_chars:
+            raise RequestError(f"input is longer than {limits.max_input_chars} characters; split it",
+                               param="input")  # fmt: skip
+    else:
+        text = check_input(_opt(body, "input", (str,), "a string"), limits)
 
-    fmt = _opt(body, "response_format", (str,), "a string") or "mp3"
+    fmt = _opt(body, "response_format", (str,), "a string") or ("pcm" if text_stream else "mp3")
+    if text_stream and fmt != "pcm":
+        raise RequestError("streamed text is answered in pcm (s16le, 24 kHz mono); "
+                           "response_format must be pcm", param="response_format")  # fmt: skip
     if fmt not in RESPONSE_FORMATS:
         raise RequestError(
             f"response_format {fmt!r} is not supported; use one of {', '.join(RESPONSE_FORMATS)}",
@@ -238,12 +282,21 @@ def parse_speech_request(body: Any, limits: Limits | None = None) -> SpeechReque
     if first is not None and first not in (1, 2, CHUNK_FRAMES):
         raise RequestError("first_chunk_frames must be 1, 2 or 4", param="first_chunk_frames")
 
+    text_mode = _opt(body, "text_mode", (str,), "a string")
+    if text_mode is not None and text_mode not in TEXT_MODES:
+        raise RequestError(f"text_mode must be one of {', '.join(TEXT_MODES)}", param="text_mode")
+    start_tokens = _opt(body, "text_start_tokens", (int,), "an integer")
+    _in_range("text_start_tokens", start_tokens, 1, MAX_TEXT_START_TOKENS)
+    pace = _opt(body, "text_pace", (int, float), "a number")
+    _in_range("text_pace", pace, MIN_TEXT_PACE, 1.0)
+
     ref_audio = _opt(body, "ref_audio", (str,), "a string")
     if ref_audio is not None and len(ref_audio) > limits.max_ref_audio_bytes * 4 // 3 + 64:
         raise RequestError("ref_audio is too large", param="ref_audio", status=413)
 
     return SpeechRequest(
         input=text,
+        text_stream=text_stream,
         model=_text(body, "model", 256),
         voice=_text(body, "voice", 64),
         response_format=fmt,
@@ -261,17 +314,22 @@ def parse_speech_request(body: Any, limits: Limits | None = None) -> SpeechReque
         repetition_penalty=None if rep is None else float(rep),
         seed=seed,
         variant=_text(body, "variant", 64),
-        first_chunk_frames=first or CHUNK_FRAMES,
+        first_chunk_frames=first or (STREAM_FIRST_CHUNK_FRAMES if text_stream else CHUNK_FRAMES),
+        text_mode=text_mode,
+        text_start_tokens=start_tokens,
+        text_pace=None if pace is None else float(pace),
     )
 
 
-def default_max_new_tokens(text: str) -> int:
-    """A generous cap from the text length so that runaway generations end.
+def default_max_new_tokens(text: str | int) -> int:
+    """A generous cap from the text length (a text or its number of characters) so that
+    runaway generations end.
 
     Speech runs at roughly 12-15 characters per second, i.e. about one 80 ms frame per
     character; 2.5 frames per character plus 3 s of slack covers slow, expressive speech.
     """
-    return min(4096, math.ceil(len(text) * 2.5) + 40)
+    chars = text if isinstance(text, int) else len(text)
+    return min(4096, math.ceil(chars * 2.5) + 40)
 
 
 # -- response bodies of the operator endpoints (typed; `to_json` is what goes on the wire) ------
@@ -283,6 +341,34 @@ def _from(cls, data: Any):
         raise ValueError(f"{cls.__name__}: expected a JSON object, got {type(data).__name__}")
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in data.items() if k in names})
+
+
+LOAD_STATES = ("serving", "swapping", "draining", "loading")
+
+
+@dataclass
+class LoadReport:
+    """`GET /load`, and `capacity` in `GET /v1/engine/status`: how much more this engine takes
+    (docs/fleet.md). Cheap: the server answers from what it holds, without asking a worker."""
+
+    running: int  # streams admitted and not finished (every handler)
+    waiting: int  # requests queued, not yet admitted
+    max_batch: int  # configured batch rows of the serving handler
+    slots: int  # streams kept in real time now (measured step time vs the frame budget), 1..max_batch
+    free_slots: int  # max(0, slots - running - waiting); 0 unless serving
+    accepting: bool  # takes new requests (serving, or holding them through a swap)
+    state: str  # LOAD_STATES
+    underruns: int  # chunks made after their listener needed them (a counter)
+    frame_budget_ms: float | None = None  # None: no budget (slots = max_batch)
+    # predicted seconds of a batch step by streams in it ("1".."max_batch"), from measured steps
+    step_s: dict[str, float] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Any) -> LoadReport:
+        return _from(cls, data)
 
 
 @dataclass
@@ -354,6 +440,10 @@ class EngineStatus:
     waiting_for_swap: int
     handlers: list[HandlerStatus]
     governor: dict | None = None
+    capacity: dict | None = None  # LoadReport's fields (`GET /load`)
+    # text streamed in while it is spoken (the WebSocket route): clients detect support here
+    streaming_text: bool = False
+    streaming_text_route: str | None = None
 
     @property
     def queue_depth(self) -> int:

@@ -15,6 +15,11 @@ from dataclasses import dataclass
 
 from qwen3_tts_engine.protocol import RequestError, SpeechRequest
 
+# The reference code's default layout per task for a whole text (QwenLM/Qwen3-TTS
+# qwen3_tts_model.py: `generate_custom_voice` and `generate_voice_design` default to
+# non_streaming_mode=True since its commit 0c6a7cb, `generate_voice_clone` to False).
+DEFAULT_TEXT_MODES = {"custom_voice": "prompt", "voice_design": "prompt", "base": "dual"}
+
 MODEL_KINDS = ("custom_voice", "voice_design", "base")
 
 
@@ -86,4 +91,22 @@ def check_request(req: SpeechRequest, model: ModelInfo, *, ref_audio: bool | Non
     if has_ref and req.ref_text and not model.can_clone:
         raise RequestError("this checkpoint has no speech-tokenizer encoder: it cannot clone from "
                            "ref_audio with ref_text", param="ref_text")  # fmt: skip
+    text_mode_for(req, model)
     return Voice(voice, instruct)
+
+
+def text_mode_for(req: SpeechRequest, model: ModelInfo) -> str:
+    """The layout `req` is spoken in (`protocol.TEXT_MODES`): streamed text needs dual-track;
+    a whole text takes what it asks or the reference code's default for the model's task."""
+    if not req.text_stream:
+        return req.text_mode or DEFAULT_TEXT_MODES.get(model.kind, "prompt")
+    if req.text_mode == "prompt":
+        raise RequestError("streamed text is spoken dual-track (one text token per frame); "
+                           "text_mode 'prompt' needs the whole text: send it to "
+                           "POST /v1/audio/speech", param="text_mode")  # fmt: skip
+    if req.ref_text:
+        raise RequestError("in-context voice cloning (ref_audio with ref_text) cannot stream "
+                           "text: its prompt holds the whole text beside the reference; send "
+                           "ref_audio alone (x-vector cloning) or the whole text to "
+                           "POST /v1/audio/speech", param="ref_text")  # fmt: skip
+    return "dual"

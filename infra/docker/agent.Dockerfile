@@ -14,6 +14,7 @@
 FROM python:3.11-slim AS base
 ENV PYTHONUNBUFFERED=1 \
     UV_LINK_MODE=copy \
+    UV_COMPILE_BYTECODE=1 \
     UV_PYTHON_DOWNLOADS=never \
     UV_PROJECT_ENVIRONMENT=/app/.venv \
     PATH=/app/.venv/bin:$PATH
@@ -50,7 +51,7 @@ USER 10001:10001
 CMD ["voice-agent", "start"]
 
 # -- the Qwen3-TTS engine server ---------------------------------------------------------------
-# mlx's Linux CPU backend: functional, far from real time (the README's benchmarks); Apple
+# mlx's Linux CPU backend: functional, far from real time (docs/benchmarks.md); Apple
 # Silicon hosts run `qwen3-tts serve` natively, GPU hosts run vLLM-Omni (TTS_PROTOCOL=vllm-omni).
 FROM base AS tts-engine
 # mlx-cpu links the reference BLAS; OpenBLAS preloaded is several times faster (docs/benchmarks.md: BLAS).

@@ -18,7 +18,7 @@ from tests.support.engine_process import free_port
 from voice_agent.harness.demo import load_turn_audio, run_turns
 from voice_agent.harness.openai_stand_in import ScriptedChatServer
 from voice_agent.harness.speech_assets import speech_wav
-from voice_agent.pipeline import APOLOGY, VoiceAgent
+from voice_agent.pipeline import APOLOGY, VoiceAgent, build_tts
 from voice_agent.services import ensure_llm
 from voice_agent.settings import Settings
 
@@ -58,6 +58,10 @@ async def test_turn_with_tool_call_end_to_end(engine):
     syntheses = list(handler.history)[before:]
     assert syntheses and all(not s["cancelled"] for s in syntheses)
     assert not any(s["hit_token_cap"] for s in syntheses), syntheses  # every sentence ended by EOS
+    # TTS_TEXT_INPUT auto (the default) streamed the reply's text over the engine's socket: the
+    # dual-track layout, which a POST for this CustomVoice checkpoint never gets unasked
+    assert Settings().tts_text_input == "auto"
+    assert [s["text_mode"] for s in syntheses] == ["dual"] * len(syntheses), syntheses
     engine_samples = sum(s["frames"] for s in syntheses) * 1920
     assert engine_samples > 0
     assert 0 <= len(report.reply_audio) - engine_samples <= SEGMENT_MARKER, (len(report.reply_audio), engine_samples)
@@ -70,6 +74,15 @@ async def test_turn_with_tool_call_end_to_end(engine):
 
     assert REGISTRY.get_sample_value("voice_agent_e2e_latency_seconds_count") >= 1
     assert REGISTRY.get_sample_value("voice_agent_llm_node_ttft_seconds_count") >= 1
+
+
+async def test_tts_text_input_reaches_the_plugin():
+    for mode in ("auto", "stream", "sentences"):
+        tts = build_tts(Settings(tts_text_input=mode), "http://127.0.0.1:9")
+        try:
+            assert tts._opts.text_input == mode
+        finally:
+            await tts.aclose()
 
 
 async def test_barge_in_stops_agent_audio_and_cancels_tts(engine):
@@ -108,10 +121,9 @@ async def test_barge_in_stops_agent_audio_and_cancels_tts(engine):
     assert len(after) <= 7680, len(after)
     assert played < report.reply_audio_s + 0.5
     # ...and the TTS request was cancelled on the server.
-    for _ in range(100):
-        if handler.queue_depth == 0:
-            break
-        await asyncio.sleep(0.1)
+    async with asyncio.timeout(120):  # a hang guard: the engine ends the cancelled request
+        while handler.queue_depth != 0:
+            await asyncio.sleep(0.1)
     syntheses = list(handler.history)[before:]
     assert any(s["cancelled"] for s in syntheses), syntheses
     # Far from the whole answer: six sentences, each ending by EOS at about `whole` frames.

@@ -200,6 +200,7 @@ def test_a_signal_during_start_up_stops_every_service(tmp_path, make_env, sig, p
         # quiet: each random-model notice once, no LiveKit deprecation warning per turn
         assert p.stderr.count("RANDOM weights") == 2, p.stderr[-3000:]
         assert "deprecated" not in p.stderr, p.stderr[-3000:]
+        assert "Unclosed" not in p.stderr, p.stderr[-3000:]  # the plugin's sockets closed with the run
         (turn,) = json.loads(p.stdout)["turns"]
         assert turn["voice_to_voice_s"] is not None
         _assert_nothing_left(env)
@@ -326,3 +327,25 @@ def test_progress_lines_go_to_a_terminal_only(monkeypatch):
     progress("starting the local TTS engine on port 1 ...")
     assert terminal.getvalue() == "voice-agent: starting the local TTS engine on port 1 ...\n"
     assert captured.getvalue() == ""
+
+
+def test_a_user_counts_as_live_across_a_boot_time_step(tmp_path, monkeypatch):
+    """A user's record holds its pid and start time; psutil's start time moves with the kernel's
+    boot time (whole seconds, stepped with the wall clock), so a live user may read a second
+    apart: still live (the watchdog once stopped a service under a running user). Another start
+    time, or a dead pid, is not."""
+    from voice_agent.services import registry
+
+    monkeypatch.setenv("VOICE_AGENT_CACHE", str(tmp_path))
+    registry.join("llm-1")
+    assert registry._live_users("llm-1") == [os.getpid()]
+    pid, created = (registry.cache_dir() / "llm-1.users" / str(os.getpid())).read_text().split()
+    user = registry.cache_dir() / "llm-1.users" / pid
+    user.write_text(f"{pid} {float(created) - 1.0:.3f}")  # as read before a one-second step
+    assert registry._live_users("llm-1") == [os.getpid()]
+    user.write_text(f"{pid} {float(created) - 30.0:.3f}")  # another process that had this pid
+    assert registry._live_users("llm-1") == [] and not user.exists()
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    record = registry._identity(child.pid)
+    child.wait()
+    assert record and not registry._is_running(record)

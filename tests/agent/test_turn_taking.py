@@ -6,6 +6,8 @@ delay it chose (events, not stopwatches)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 from livekit.agents import llm
@@ -14,8 +16,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from voice_agent.harness.conversation import InParts
 from voice_agent.harness.demo import load_turn_audio, run_turns
-from voice_agent.harness.openai_stand_in import ScriptedChatServer
+from voice_agent.harness.openai_stand_in import ScriptedChatServer, last_user_text
 from voice_agent.harness.speech_assets import speech_wav
 from voice_agent.settings import Settings
 from voice_agent.turn_rules import RuleTurnDetector, sounds_unfinished
@@ -58,8 +61,12 @@ def spans():
     provider.shutdown()
 
 
+def _speech(text: str) -> np.ndarray:
+    return load_turn_audio(speech_wav(text, sample_rate=RATE))
+
+
 def _paused(before: str, pause_s: float, after: str) -> np.ndarray:
-    parts = [load_turn_audio(speech_wav(t, sample_rate=RATE)) for t in (before, after)]
+    parts = [_speech(t) for t in (before, after)]
     return np.concatenate([parts[0], np.zeros(int(pause_s * RATE), np.int16), parts[1]])
 
 
@@ -108,24 +115,42 @@ async def test_a_pause_mid_sentence_does_not_end_the_turn(engine, spans):
 
 
 async def test_preemptive_generation_redoes_a_reply_whose_transcript_changed(engine):
-    """The LLM starts on the final transcript of the words before the pause (preemptive), the
-    caller goes on, and the reply comes from the request with the whole transcript. The turn
-    cannot be committed in the 0.45 s pause (2 s endpointing delay, no transcript check): with
-    the default 0.5 s, whether the caller's next words are heard before the commit is a race
-    that a fast machine loses."""
+    """The caller says "Please remind me to call", pauses, and goes on ("my mother at six.")
+    only once the LLM has been asked for a reply to the words before the pause: preemptive
+    generation, before the turn is committed. The pause lasts until that request arrives (an
+    event: `InParts`), however long a busy machine's STT takes to get there, and the harness
+    holds LiveKit's endpointing off meanwhile, so the turn cannot end in the pause. The reply
+    spoken is the one to the whole transcript: the early one was redone. With preemptive
+    generation off no request comes in the pause, and the test fails there."""
     settings = Settings(tts_url=f"http://127.0.0.1:{engine.port}", llm_model="scripted", offline=True,
-                        turn_detector="none", endpointing_min_delay=2.0)  # fmt: skip
+                        turn_detector="none")  # fmt: skip
+    assert settings.preemptive_generation  # the default
     chat = await ScriptedChatServer(use_tool=False, echo=True).start()
+
+    async def a_preemptive_request(_part: int) -> None:
+        try:  # a hang guard: the request follows the final transcript at once
+            await asyncio.wait_for(chat.request_where(lambda body: last_user_text(body).strip() != ""), 120)
+        except TimeoutError:
+            raise AssertionError("no LLM request for the words before the pause, while the turn "
+                                 "was held open: no preemptive generation") from None  # fmt: skip
+
+    speech = InParts([_speech("Please remind me to call"), _speech("my mother at six.")], a_preemptive_request)
     try:
-        (report,) = await run_turns(settings, [_paused("Please remind me to call", 0.45, "my mother at six.")],
-                                    tts_url=settings.tts_url, llm_url=chat.url, turn_timeout=180)  # fmt: skip
+        (report,) = await run_turns(settings, [speech], tts_url=settings.tts_url, llm_url=chat.url,
+                                    turn_timeout=180)  # fmt: skip
     finally:
         await chat.stop()
-    lasts = [str(r["messages"][-1].get("content", "")).lower() for r in chat.requests]
-    assert "mother" in report.reply_text.lower(), (report, lasts)
-    assert any("mother" in t for t in lasts)
-    redone = sum("mother" not in t for t in lasts)
-    print(f"LLM requests for one turn: {len(lasts)} (preemptive ones redone: {redone})")
-    # the turn's report counts them: every request the server saw, and as wasted those that
-    # were not for the reply spoken
-    assert (report.llm_requests, report.llm_wasted) == (len(lasts), redone), report
+    lasts = [last_user_text(r).strip() for r in chat.requests]
+    # one turn, committed after the caller's last word: the first request was made before it
+    assert report.user_messages == 1 and report.early_commits == 0, report
+    first, whole = lasts[0], lasts[-1]
+    # the first request: the words before the pause only; the last: the whole transcript
+    assert first and "mother" not in first.lower(), lasts
+    assert whole == report.transcript and whole.startswith(first) and len(whole) > len(first), (report, lasts)
+    assert "mother" in whole.lower(), lasts
+    # the reply spoken answers the whole transcript, i.e. comes from the last request
+    assert report.reply_text.split() == chat.answer_to(chat.requests[-1]).split(), (report, lasts)
+    print(f"LLM requests for one turn: {lasts}")
+    # the turn's report counts them: every request the server saw, and as wasted those that were
+    # not for the reply spoken (each speech here makes one request: no tools)
+    assert (report.llm_requests, report.llm_wasted) == (len(lasts), len(lasts) - 1), report

@@ -11,6 +11,7 @@ import pytest
 
 from qwen3_tts_engine.governor.policy import Policy
 from tests.support.engine_process import EngineProcess, free_port
+from voice_agent.fleet_load import FleetPoller, fleet_load
 from voice_agent.worker import EnginePoller, engine_load, worker_load
 
 
@@ -60,24 +61,43 @@ def test_worker_load_is_the_busier_of_cpu_and_engine():
     assert worker_load(0.1, _status(0), 4, stale=True) == 1.0  # a silent engine: saturated
 
 
+class _Clock:
+    """The worker module's `time`, with a monotonic clock the test moves (staleness is a duration:
+    read on a clock the test sets, it does not depend on how fast this machine runs)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
 def test_poller_without_an_engine_goes_stale(monkeypatch):
-    monkeypatch.setattr("voice_agent.worker.STALE_AFTER_S", 0.2)
+    import voice_agent.worker as worker
+
+    clock = _Clock()
+    monkeypatch.setattr(worker, "time", clock)
     poller = EnginePoller(f"http://127.0.0.1:{free_port()}", interval=0.05, timeout=0.5).start()
     try:
-        assert not poller.stale
-        time.sleep(0.5)
+        assert not poller.stale  # just started
+        clock.now += worker.STALE_AFTER_S
+        assert not poller.stale  # not yet: stale is *longer* than STALE_AFTER_S without an answer
+        clock.now += 0.001
         assert poller.status is None and poller.stale
     finally:
         poller.stop()
 
 
-@pytest.mark.slow  # a real engine: ~45 s on 2 shared cores
+@pytest.mark.slow  # a real engine
 def test_poller_reads_a_real_engine(tiny_checkpoint):
-    """The status of a real engine, with one synthesis queued behind another."""
+    """The status of a real engine, with one synthesis queued behind another. Each wait is for
+    an event (the poller's first status; the poller seeing the three requests), bounded by a
+    hang guard; the requests are long enough to be in flight until the poller has seen them,
+    and then cancelled."""
     engine = EngineProcess(tiny_checkpoint("custom_voice"), None, "--no-governor").start()
-    poller = EnginePoller(engine.url, interval=0.1).start()
+    poller = EnginePoller(engine.url, interval=0.1, timeout=60).start()  # a busy host's slow answer is fine
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 120  # a hang guard
         while poller.status is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert poller.status is not None and not poller.stale, "no status from the engine"
@@ -86,28 +106,122 @@ def test_poller_reads_a_real_engine(tiny_checkpoint):
         assert engine_load({**poller.status, "governor": None}, 4) == 0.0  # an idle queue
 
         async def busy() -> float:
-            """Three requests at once; the highest load the poller saw while they ran."""
-            body = {"input": "Hello there, this keeps the engine busy.",
-                    "voice": "ryan", "max_new_tokens": 12, "stream": True,
+            """Three long requests at once; the load the poller saw once all three were queued."""
+            body = {"input": "Hello there, this keeps the engine busy. " * 4,
+                    "voice": "ryan", "max_new_tokens": 400, "stream": True,
                     "response_format": "pcm"}  # fmt: skip
-            seen = 0.0
 
             async def one(client: httpx.AsyncClient) -> None:
                 async with client.stream("POST", f"{engine.url}/v1/audio/speech", json=body) as r:
                     async for _ in r.aiter_bytes():
                         pass
 
-            async with httpx.AsyncClient(timeout=120) as client:  # the third waits for two
+            async with httpx.AsyncClient(timeout=300) as client:
                 tasks = [asyncio.ensure_future(one(client)) for _ in range(3)]
-                while not all(t.done() for t in tasks):
-                    seen = max(seen, engine_load({**poller.status, "governor": None}, 4))
-                    await asyncio.sleep(0.05)
-                for t in tasks:
-                    t.result()
+                try:
+                    async with asyncio.timeout(120):  # a hang guard
+                        while (seen := engine_load({**poller.status, "governor": None}, 4)) < 0.75:
+                            assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
+                            await asyncio.sleep(0.05)
+                finally:
+                    for t in tasks:
+                        t.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
             return seen
 
         seen = asyncio.run(busy())
-        assert seen >= 0.25, f"the poller never saw the queue (max load {seen})"
+        assert seen == 0.75, f"the poller saw load {seen} with three requests in the engine"
     finally:
         poller.stop()
         engine.stop()
+
+
+# -- the fleet (issue 35): free slots of every engine behind TTS_URL ------------------------------
+
+
+def _with_capacity(free: int, slots: int, pressure: float | None = None) -> dict:
+    return {**_status(slots - free, pressure=pressure),
+            "capacity": {"free_slots": free, "slots": slots}}  # fmt: skip
+
+
+def test_fleet_load_is_the_share_of_slots_taken_over_all_engines():
+    assert fleet_load([_with_capacity(2, 2), _with_capacity(4, 4)], 4) == 0.0
+    assert fleet_load([_with_capacity(0, 2), _with_capacity(1, 4)], 4) == pytest.approx(1 - 1 / 6)
+    assert fleet_load([_with_capacity(0, 2), _with_capacity(0, 4)], 4) == 1.0  # all full: full
+    # an engine at its critical memory mark has no room whatever its slots say
+    assert fleet_load([_with_capacity(0, 2), _with_capacity(4, 4, pressure=0.99)], 4) == 1.0
+    # TTS_QUEUE_CAPACITY requests on every engine: full, whatever the slots
+    assert fleet_load([_with_capacity(4, 8)], 4) == 1.0
+    # engines without a capacity report: the least loaded one by its queue
+    assert fleet_load([_status(4), _status(1)], 4) == 0.25
+    assert fleet_load([None, None], 4) == 0.0
+
+
+async def _engine(model: str, host: str, port: int, max_batch: int):
+    from qwen3_tts_engine import Engine, EngineServer, Handler, ServerConfig
+
+    srv = EngineServer(Engine(model, [Handler(model, max_batch=max_batch, frame_budget_s=None)]),
+                       ServerConfig(host=host, port=port))  # fmt: skip
+    await srv.start()
+    return srv
+
+
+@pytest.mark.slow  # two real engines on loopback
+async def test_a_worker_whose_engines_are_full_reports_itself_full(tiny_checkpoint):
+    """One TTS_URL name resolving to two engines (1 and 2 slots): the fleet poller's load goes
+    0 -> 1/3 -> 2/3 -> 1.0 as streams fill them (by the engines' own /load), and back to 0."""
+    model = str(tiny_checkpoint("custom_voice", eos="never"))  # utterances that never end early
+    port = free_port()
+    engines = [await _engine(model, f"127.0.0.{i + 1}", port, n) for i, n in enumerate((1, 2))]
+    poller = FleetPoller([f"http://tts-fleet.test:{port}"], interval=0.05, timeout=30,
+                         resolve=lambda host, p: ["127.0.0.1", "127.0.0.2"]).start()  # fmt: skip
+    client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30))
+    body = {"input": "Hold this line for a while.", "voice": "ryan", "language": "english",
+            "stream": True, "response_format": "pcm", "max_new_tokens": 2000}  # fmt: skip
+    held: list[httpx.Response] = []
+
+    async def load_once_running(n: int) -> float:
+        """The poller's load from a round that began after the engines ran `n` streams."""
+        async with asyncio.timeout(120):
+            while sum([(await client.get(f"http://{e.config.host}:{port}/load")).json()["running"]
+                       for e in engines]) != n:  # fmt: skip
+                await asyncio.sleep(0.05)
+            after = poller.rounds + 1  # the round in flight may have begun before
+            while poller.rounds <= after:
+                await asyncio.sleep(0.05)
+        return poller.load(4)
+
+    try:
+        assert await load_once_running(0) == 0.0
+        assert sorted(poller.statuses) == [f"http://127.0.0.{i}:{port}" for i in (1, 2)]
+        for n, expected in ((1, 1 / 3), (2, 2 / 3), (3, 1.0)):
+            url = f"http://{engines[0 if n == 1 else 1].config.host}:{port}/v1/audio/speech"
+            held.append(await client.send(client.build_request("POST", url, json=body), stream=True))  # fmt: skip
+            assert held[-1].status_code == 200
+            assert await load_once_running(n) == pytest.approx(expected)
+        assert not poller.stale
+        for r in held:
+            await r.aclose()
+        assert await load_once_running(0) == 0.0
+    finally:
+        for r in held:
+            await r.aclose()
+        await client.aclose()
+        poller.stop()
+        for e in engines:
+            await e.stop()
+
+
+def test_load_fnc_polls_every_engine_in_tts_url(monkeypatch):
+    """The worker's load_fnc watches the whole TTS_URL list, not only its first URL."""
+    import voice_agent.worker as worker
+
+    urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.2:{free_port()}/"]
+    monkeypatch.setenv("TTS_URL", ",".join(urls))
+    monkeypatch.setenv("AGENT_LOAD_CPU", "0")
+    monkeypatch.setattr(worker, "_poller", None)
+    try:
+        assert worker.load(None) == 0.0  # nothing heard yet, not yet stale
+        assert worker._poller.urls == [u.rstrip("/") for u in urls]
+    finally:
+        worker._poller.stop()

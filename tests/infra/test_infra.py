@@ -45,6 +45,7 @@ EXPECTED = [
     "README.md", "compose.yaml", "livekit/livekit.yaml", "sip/sip.yaml", "sip/README.md",
     "sip/inbound-trunk.json", "sip/dispatch-rule.json", "docker/agent.Dockerfile",
     "k8s/agent-worker.yaml", "k8s/tts-engine.yaml", "k8s/call-keeper.yaml", "k8s/kustomization.yaml",
+    "k8s/tts-inferencepool.yaml", "haproxy/haproxy.cfg",
 ]  # fmt: skip
 
 MB = 10**6
@@ -438,12 +439,16 @@ def tts_engines(services: dict) -> dict[str, dict]:
             if isinstance(s.get("command"), list) and s["command"][:2] == ["qwen3-tts", "serve"]}  # fmt: skip
 
 
+def replicas(service: dict) -> int:
+    return int(service.get("deploy", {}).get("replicas", 1))
+
+
 def test_compose_services_and_dependencies(compose):
     services = compose["services"]
     assert {"redis", "livekit", "sip", "agent", "llm"} <= set(services)
     assert services["livekit"]["image"].startswith("livekit/livekit-server:")
     assert services["sip"]["image"].startswith("livekit/sip")
-    assert len(tts_engines(services)) >= 2
+    assert sum(replicas(s) for s in tts_engines(services).values()) >= 2, "two engines at least"
     for name, service in services.items():
         assert "image" in service or "build" in service, name
         deps = service.get("depends_on", {})
@@ -474,10 +479,11 @@ def test_compose_agent_wiring(compose):
     for secret in ("LIVEKIT_API_KEY", "LIVEKIT_API_SECRET"):
         assert env[secret].startswith("${"), f"{secret} must come from the environment"
 
-    # TTS: every URL names an engine service, on the port its command serves, on all interfaces.
+    # TTS: every URL names an engine service, on the port its command serves, on all interfaces;
+    # a service with replicas resolves to an address per replica (each an engine to the plugin).
     urls = [urlparse(u.strip()) for u in env["TTS_URL"].split(",")]
-    assert len(urls) >= 2, "two engines: failover"
     engines = tts_engines(services)
+    assert sum(replicas(engines.get(u.hostname, {})) for u in urls) >= 2, "two engines: failover"
     for url in urls:
         assert url.hostname in engines, f"TTS_URL host {url.hostname} is not an engine service"
         engine = engines[url.hostname]
@@ -682,3 +688,28 @@ def test_k8s_kustomization():
               for d in load_yaml(f"k8s/{rel}") if d["kind"] == "Deployment"
               for c in d["spec"]["template"]["spec"]["containers"]}  # fmt: skip
     assert images == {i["name"] for i in k["images"]}
+
+
+def test_k8s_engines_behind_a_headless_service_and_an_optional_inference_pool():
+    """The agent's TTS URL names a headless Service (an address per ready engine pod); the
+    llm-d / Gateway API route selects the same pods on the same port, and stays out of the
+    default kustomization (it needs CRDs)."""
+    objs = k8s_objects()
+    service = objs[("Service", "tts-engine")]
+    assert service["spec"]["clusterIP"] == "None"
+    pods = objs[("Deployment", "tts-engine")]["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pods.items()
+    port = serve_args(container(objs, "tts-engine")["args"]).port
+    pool, route, epp = load_yaml("k8s/tts-inferencepool.yaml")
+    assert pool["kind"] == "InferencePool" and pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert pool["spec"]["selector"]["matchLabels"].items() <= pods.items()
+    assert [p["number"] for p in pool["spec"]["targetPorts"]] == [port]
+    assert pool["spec"]["endpointPickerRef"]["name"]
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                    "name": pool["metadata"]["name"]}]  # fmt: skip
+    assert rule["matches"][0]["path"]["value"] == "/v1/audio/speech"
+    config = yaml.safe_load(next(iter(epp["data"].values())))
+    assert config["kind"] == "EndpointPickerConfig"
+    (k,) = load_yaml("k8s/kustomization.yaml")
+    assert "tts-inferencepool.yaml" not in k["resources"], "it needs CRDs: applied by hand"

@@ -64,7 +64,7 @@ def test_mac_with_homebrew_installs_the_missing_tools_and_no_debian_packages(tmp
     assert "apt" not in out and "Debian" not in out
     # uv is installed with the Mac's own Python, then the lock is synced with it
     assert f"would run: {bin_dir}/python3 -m venv .cache/uv" in out
-    assert f"would run: .cache/uv/bin/uv sync --frozen --quiet --python {bin_dir}/python3" in out
+    assert f"would run: .cache/uv/bin/uv sync --frozen --quiet --compile-bytecode --python {bin_dir}/python3" in out
     assert "LD_PRELOAD" not in out and "openblas.env" not in out
 
 
@@ -83,7 +83,7 @@ def test_mac_without_a_usable_python_gets_homebrews(tmp_path, probe):
                                                "sox": FOUND})  # fmt: skip
     assert code == 0, out
     assert f"would run: {bin_dir}/brew install python@3.12\n" in out
-    assert "uv sync --frozen --quiet --python python3.12" in out
+    assert "uv sync --frozen --quiet --compile-bytecode --python python3.12" in out
 
 
 def test_mac_without_homebrew_warns_with_the_commands_and_still_sets_up(tmp_path):

@@ -3,7 +3,8 @@ LiveKit's own plugin tests use: it passes bytes, stalls, cuts a connection, or a
 
 A fault applies to the connections accepted after it is set (`times=n`: only to the next n, then
 the fault set before it applies again); `set()` closes the connections already open, so a pooled
-keep-alive connection cannot dodge it. `stalled_at` is the loop time at which the last stall began.
+keep-alive connection cannot dodge it. `stalled_at` is the loop time at which the last stall began
+(after some bytes: when the last of them was written, so the client read none of them sooner).
 `after` counts the response bytes let through past the end of the response head (HTTP);
 `after=None` lets nothing through at all.
 """
@@ -115,6 +116,7 @@ class TcpProxy:
     ) -> None:
         """Copy the response to the client; with a fault, only the head and `after` body bytes."""
         head, body_sent, in_body = b"", 0, False
+        last_write: float | None = None  # loop time of the last write of body bytes
         while data := await upstream.read(65536):
             if fault.mode == "pass":
                 client.write(data)
@@ -131,13 +133,15 @@ class TcpProxy:
                 data = head[end + 4 :]
                 client.write(head[: end + 4])
             allowed = max(0, fault.after - body_sent)
+            last_write = asyncio.get_running_loop().time()  # the client reads these bytes after it
             client.write(data[:allowed])
             await client.drain()
             body_sent += min(len(data), allowed)
             if body_sent >= fault.after:
                 break
         if fault.mode == "stall":
-            self.stalled_at = asyncio.get_running_loop().time()
+            # the stall began with the last write: the client's last read comes after it
+            self.stalled_at = last_write if last_write is not None else asyncio.get_running_loop().time()
             await asyncio.Event().wait()  # nothing more comes
 
 

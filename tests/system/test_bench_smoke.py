@@ -1,4 +1,4 @@
-"""Smoke runs of the six benchmark commands as a user runs them (real subprocesses, tiny
+"""Smoke runs of the seven benchmark commands as a user runs them (real subprocesses, tiny
 checkpoints, offline assets), with their smallest settings: the JSON has the fields the README
 documents and the measured numbers are positive. Speed numbers are not checked.
 
@@ -154,9 +154,13 @@ def test_voice_agent_bench(tmp_path):
                                     "endpointing_max_delay": 3.0, "turn_detector": "none",
                                     "preemptive_generation": False, "preemptive_tts": False,
                                     "tts_first_clause_words": 0,
-                                    "tts_first_clause_chunk_frames": 4}  # fmt: skip
+                                    "tts_first_clause_chunk_frames": 4,
+                                    "tts_text_input": "sentences"}  # fmt: skip
     assert settings["tuned"]["turn_detector"] == "rule" and settings["tuned"]["preemptive_generation"]
-    for name in ("tuned", "baseline"):
+    # clause mode: the tuned settings but the reply's text as sentences (first clause ahead)
+    assert settings["tuned"]["tts_text_input"] == "auto"
+    assert settings["clause"] == {**settings["tuned"], "tts_text_input": "sentences"}
+    for name in ("tuned", "clause", "baseline"):
         config = report[name]
         assert [t["kind"] for t in config["turns"]] == ["plain", "paused"]
         assert config["turns"][1]["pause_s"] == report["paused_set"][0]["pause_s"] > 0
@@ -175,6 +179,9 @@ def test_voice_agent_bench(tmp_path):
                     llm = max(0.0, llm - max(0.0, turn["end_of_turn_s"] - (turn["transcription_s"] or 0.0)))
                 parts = turn["end_of_turn_s"] + llm + turn["tts_first_chunk_compute_s"]
                 assert turn["added_s"] == pytest.approx(turn["voice_to_voice_s"] - parts)
+            if turn["llm_first_token_to_audio_s"] is not None:  # LiveKit's ttfs - ttft + ttfb
+                first = turn["llm_ttfs_s"] - turn["llm_ttft_s"] + turn["tts_ttfb_s"]
+                assert turn["llm_first_token_to_audio_s"] == pytest.approx(first)
             assert 1 <= turn["llm_requests"] and 0 <= turn["llm_wasted"] < turn["llm_requests"]
             assert 0 <= turn["tts_wasted"] <= turn["tts_requests"]
         assert set(config["ended_early"]) == {"plain", "paused"}
@@ -182,6 +189,12 @@ def test_voice_agent_bench(tmp_path):
         assert not summary or summary["p95"] >= summary["p50"] > 0
     for key, value in report["ratios"].items():
         assert value is None or value > 0, key
+    vs_clause = report["streaming_vs_clause"]
+    assert vs_clause["text_streamed"] is True
+    assert vs_clause["ended_early"] == {"tuned": report["tuned"]["ended_early"],
+                                        "clause": report["clause"]["ended_early"]}  # fmt: skip
+    for key in ("llm_first_token_to_audio_p50", "voice_to_voice_p50"):
+        assert vs_clause[key] is None or vs_clause[key] > 0, key
     assert report["goals"]["end_of_turn_p50_ratio"] == 0.5 and report["goals"]["added_p95_s"] == 0.060
     # TTS first audio while the LLM generates / idle
     _summary(report["tts_first_audio_idle_s"], "tts idle", n=1)
@@ -229,3 +242,59 @@ def test_qwen3_tts_bench_concurrency(tiny_checkpoint):
     assert report["paths"]["codes"]["2"]["determinism"]["streams"] == 2
     assert 0 <= report["paths"]["full"]["2"]["vocoder_share"] <= 1
     assert set(report["paths"]["http"]["2"]["server_step_s"]) == {"step_s_p50", "step_s_p95", "batch_occupancy"}
+    # the sizing `serve` would admit by: slots follow from the steps the server measured
+    sizing = report["realtime_slots"]
+    assert sizing["frame_budget_ms"] == 80 and 1 <= sizing["slots"] <= 2
+    assert {"1", "2"} <= set(sizing["measured_step_s"]) and set(sizing["step_s"]) == {"1", "2"}
+    fits = [n for n in (2,) if sizing["step_s"][str(n)] <= 0.08]
+    assert sizing["slots"] == (2 if fits else 1)
+
+
+def test_voice_agent_bench_fleet(tiny_checkpoint, tmp_path):
+    """Two engines pinned to cores, 3 streams per phase: priority keeps them all on the first
+    engine (nothing is full: its queue takes them), balanced uses both (the plugin's own count of
+    its streams, whatever the engines' speed), and the churn phase (first engine SIGKILLed, a third
+    added) loses no stream."""
+    out = tmp_path / "fleet.json"
+    report = _run("voice-agent", "bench", "fleet", "--engines", "2", "--streams", "3", "--gap", "0",
+                  "--frames", "4", "--engine-max-batch", "2",
+                  "--engine-model", str(tiny_checkpoint("custom_voice")), "--out", str(out),
+                  env={"HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert json.loads(out.read_text()) == report
+    first, second = report["slots"]
+    assert 1 <= report["slots"][first] <= 2 and 1 <= report["slots"][second] <= 2
+    assert report["priority"]["per_engine"] == {first: 3, second: 0}
+    assert sorted(report["balanced"]["per_engine"].values()) == [1, 2]
+    for phase in ("priority", "balanced", "churn"):
+        s = report[phase]
+        assert s["lost"] == 0 and s["streams"] == 3, (phase, s)
+        assert sum(s["per_engine"].values()) == 3, (phase, s)
+        _positive(s["first_audio_p50_s"], f"{phase}.p50")
+        assert s["first_audio_p95_s"] >= s["first_audio_p50_s"]
+    for phase in ("priority", "balanced"):  # each engine's underrun counter over the phase
+        assert set(report[phase]["underruns"]) == {first, second}
+        assert all(isinstance(n, int) and n >= 0 for n in report[phase]["underruns"].values())
+    assert report["churn"]["killed"] == first and report["churn"]["added"] not in (first, second)
+    assert report["churn"]["underruns"][first] is None  # killed: no counter to read
+    _positive(report["balanced_over_priority_p95"], "ratio")
+
+
+def test_qwen3_tts_bench_first_chunk(tiny_checkpoint):
+    """`bench first-chunk`, one repeat, 8 frames: every mode and size; a sentence's first chunk
+    is the size asked; the streamed audio is the one-shot decode of the same codes (no seams)."""
+    model = str(tiny_checkpoint("custom_voice", eos="text"))
+    report = _run("qwen3-tts", "bench", "first-chunk", "--model", model, "--frames", "8",
+                  "--repeats", "1", "--tokens-per-s", "200")  # fmt: skip
+    for mode in ("sentences", "stream", "stream_fast_llm"):
+        assert set(report[mode]) == {"1", "2", "4"}, mode
+        for size, row in report[mode].items():
+            for key in ("first_audio_engine_s", "first_audio_from_llm_s", "compute_s"):
+                _positive(row[key], f"{mode}.{size}.{key}")
+            assert row["first_audio_from_llm_s"] >= row["first_audio_engine_s"]
+            assert sum(row["chunk_frames"]) == row["frames"] > 0  # the cap is per sentence
+            assert max(row["chunk_frames"]) <= 4 and row["chunk_frames"][0] <= int(size)
+            # float rounding only: well under one int16 step at the joins and elsewhere
+            assert 0 <= row["seam_max_abs_int16"] < 1 and 0 <= row["elsewhere_max_abs_int16"] < 1
+            assert row["gaps_s"] >= 0
+        assert report[mode]["4"]["first_audio_vs_4"] == 1.0
+    assert [report["sentences"][s]["chunk_frames"][0] for s in ("1", "2", "4")] == [1, 2, 4]

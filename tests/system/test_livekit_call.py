@@ -126,7 +126,10 @@ async def test_call_through_a_livekit_server(livekit_server, tiny_checkpoint, tm
                      and a.attributes.get("lk.agent.state") == "listening",
                      "the agent to join and listen", alive=worker_alive)  # fmt: skip
         print(f"agent listening {time.monotonic() - t_joined:.2f}s after the caller joined")
-        await asyncio.sleep(1.0)  # the agent's subscription to the microphone settles
+        # LiveKit tells the caller when the agent has subscribed to its microphone: from then on
+        # the agent hears what it says
+        await _until(lambda: caller.mic_subscribed is not None, "the agent's subscription to the microphone",
+                     alive=worker_alive)  # fmt: skip
         caller.say(question)
         await _until(
             lambda: caller.speech_end is not None, "the question to be spoken", alive=worker_alive
@@ -184,14 +187,15 @@ async def test_call_through_a_livekit_server(livekit_server, tiny_checkpoint, tm
     assert dashboard and dashboard <= scrape_families(scrape), dashboard - scrape_families(scrape)
 
     # Traces: the turn's STT, LLM and TTS spans in one trace, and the engine's span as the child
-    # of the plugin's request (W3C traceparent).
+    # of the plugin's request (W3C traceparent). The agent's default text input streams each
+    # segment over the engine's WebSocket (`qwen3_tts.text_stream` -> `qwen3_tts.speech_stream`).
     names = {s.name for s in collector.spans if s.service == "voice-agent"}
-    assert {"user_turn", "stt_request", "llm_node", "tts_node", "qwen3_tts.request"} <= names, names
+    assert {"user_turn", "stt_request", "llm_node", "tts_node", "qwen3_tts.text_stream"} <= names, names
     spans = collector.by_id()
-    engine_spans = collector.named("qwen3_tts.speech")
+    engine_spans = collector.named("qwen3_tts.speech_stream")
     assert engine_spans and all(s.service == "qwen3-tts-engine" for s in engine_spans)
     linked = [s for s in engine_spans if spans.get(s.parent_span_id) is not None
-              and spans[s.parent_span_id].name == "qwen3_tts.request"]  # fmt: skip
+              and spans[s.parent_span_id].name == "qwen3_tts.text_stream"]  # fmt: skip
     assert linked, [(s.name, s.parent_span_id) for s in engine_spans]
     speech = linked[0]
     request = spans[speech.parent_span_id]

@@ -22,7 +22,7 @@ import httpx
 import pytest
 from livekit import api, rtc
 
-from tests.system.test_livekit_call import RATE, SILENT_PEAK, Caller, _until
+from tests.system.test_livekit_call import RATE, SILENT_PEAK, WAIT, Caller, _until
 from voice_agent.harness.demo import load_turn_audio
 from voice_agent.harness.openai_stand_in import ScriptedChatServer
 from voice_agent.harness.phone_line import phone_line_wav
@@ -136,7 +136,7 @@ async def phone_calls_through_a_livekit_server(server, llm: ScriptedChatServer, 
     async def job_freed(what: str) -> float:
         t0 = time.monotonic()
         while (jobs := [await _active_jobs(p) for p in http_ports]) != [0] * len(http_ports):
-            assert time.monotonic() - t0 < 60, f"{what}: still {jobs} active jobs after 60 s"
+            assert time.monotonic() - t0 < WAIT, f"{what}: still {jobs} active jobs after {WAIT:g} s (hang guard)"
             await asyncio.sleep(0.1)
         return time.monotonic() - t0
 
@@ -146,7 +146,8 @@ async def phone_calls_through_a_livekit_server(server, llm: ScriptedChatServer, 
     try:
         # 1. a phone caller asks a question over a phone line and hears the answer
         first = await call("speech")
-        await asyncio.sleep(1.0)  # the agent's subscription to the caller's track settles
+        await _until(lambda: first.mic_subscribed is not None, "the agent's subscription to the phone's track",
+                     alive=alive)  # fmt: skip
         first.say(question)
         await _until(lambda: first.speech_end is not None, "the question to be spoken", alive=alive)
         await _until(lambda: any(t > first.speech_end and p > SILENT_PEAK for t, p in first.agent_frames),
@@ -168,13 +169,13 @@ async def phone_calls_through_a_livekit_server(server, llm: ScriptedChatServer, 
         assert not first.disconnected.is_set(), "the caller was dropped after a failed transfer"
         # 5. the LLM's end_call tool (LiveKit's EndCallTool): the caller is removed
         await first.press("7")
-        await asyncio.wait_for(first.disconnected.wait(), 60)
+        await asyncio.wait_for(first.disconnected.wait(), WAIT)
         await job_freed("after end_call")
 
         # 6. the hang-up digit removes the caller
         second = await call("digit")
         await second.press("9")
-        await asyncio.wait_for(second.disconnected.wait(), 60)
+        await asyncio.wait_for(second.disconnected.wait(), WAIT)
         await job_freed("after the hang-up digit")
 
         # 7. the caller hangs up: the session closes and the job ends (not the room's timeout)
@@ -200,7 +201,6 @@ async def phone_calls_through_a_livekit_server(server, llm: ScriptedChatServer, 
     assert "phone call SCL_" in text and NUMBER in text  # the worker knew it was a phone call
     assert text.count("transfer of ") >= 2 and "failed" in text
     assert "hanging up on" in text and "the caller pressed 9" in text
-    # the third job ended because its session closed when the caller left, well before LiveKit's
-    # 20 s departure timeout would have ended it
+    # the third job ended because its session closed when the caller left (its log says why),
+    # not at LiveKit's 20 s departure timeout (how soon is printed above: the machine's speed)
     assert "call ended (session closed: participant_disconnected)" in text, text[-3000:]
-    assert freed < 15, f"the job stayed {freed:.1f}s after the caller hung up"

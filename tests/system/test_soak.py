@@ -23,6 +23,7 @@ from voice_agent.lab.soak.report import (
     percentile,
     rss_growth,
     slope_per_min,
+    struck_turns,
     turn_totals,
     unexplained_failures,
 )
@@ -61,6 +62,9 @@ def test_turns_are_counted_and_attributed_to_faults():
     assert lost_turns(restart, cut, 200.0) == {"in_flight": 1, "after_the_fault": 1,
                                                "causes": {"agent_lost": 1, "no_agent": 1}}  # fmt: skip
     assert lost_turns({**restart, "t_struck": None}, cut, 200.0)["in_flight"] == 0
+    # under load: turns in flight as a fault struck (the turn begun at 19 s was; at 5 s none was)
+    assert struck_turns(fault, turns) == 1 and struck_turns({"t": 5.0}, turns) == 0
+    assert struck_turns({"t": 5.0, "t_strike": 20.0}, turns) == 1  # a fault struck more than once
 
 
 def test_memory_growth_and_slope():
@@ -88,9 +92,11 @@ def test_the_schedule_and_the_fault_names():
     assert parse_faults("llm_outage, governor_swap") == ("llm_outage", "governor_swap")
     with pytest.raises(ValueError, match="unknown"):
         parse_faults("llm_outage,meteor")
-    short = Plan.of(2.5, 2, FAULTS).schedule()
+    short_plan = Plan.of(2.5, 2, FAULTS)
+    short = short_plan.schedule()
     assert [f for _, f in short] == list(FAULTS)  # each fault once
-    assert all(0 < at < 150 for at, _ in short)
+    # back to back: each is due at once; the run waits for the previous one's recovery (events)
+    assert all(at == short_plan.warmup_s for at, _ in short) and short_plan.outage_s is None
     long = Plan.of(20, 2, FAULTS).schedule()
     assert len(long) == 2 * len(FAULTS) and long[0][0] >= 60 and long[-1][0] <= 20 * 60 - 120
 
@@ -103,6 +109,33 @@ def test_bench_takes_soak_and_keeps_its_old_form():
     assert old.suite is None and old.turns == 1
     with pytest.raises(SystemExit):
         p.parse_args(["bench", "marathon"])
+
+
+# A process that outlives its group's stop by a moment (as the engine's fork server does while it
+# unmaps GBs after SIGKILL): a detached child that exits one second after its parent has gone.
+_LINGERING_CHILD = """
+import os, subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import os, sys, time\\nwhile os.getppid() == int(sys.argv[1]): time.sleep(0.02)\\n"
+                  "time.sleep(1.0)", str(os.getpid())], start_new_session=True)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_stack_waits_for_a_lingering_process_before_reporting(tmp_path):
+    from voice_agent.lab.soak.stack import Stack
+
+    stack = Stack(tmp_path, "http://127.0.0.1:9", time.monotonic)
+    leader = stack._launch("engine", [sys.executable, "-c", _LINGERING_CHILD], stack.env())
+    deadline = time.monotonic() + 60
+    while len(psutil.Process(leader.pid).children()) < 1 or "ready" not in stack.log_text("engine"):
+        assert time.monotonic() < deadline and leader.poll() is None, stack.log_text("engine")
+        time.sleep(0.05)
+    stack.sample()  # tracks the child
+    assert any(t.role.startswith("engine/") for t in stack.tracked.values())  # the child (engine/python3 or so)
+    stack.stop_all()
+    # the child ended by itself inside the wait: neither swept (killed) nor reported as left behind
+    assert stack.swept == [] and stack.left_running() == []
 
 
 def _need_livekit_server() -> None:
@@ -144,9 +177,17 @@ def test_the_short_soak_recovers_from_every_fault(tmp_path, record_property):
         assert f["recovered"] and not f.get("error"), f"{name} did not recover\n{context}"
         record_property(f"{name}_recover_s", f["recover_s"])
         assert f["phases"]["before"]["heard"] >= 1 and f["phases"]["after"]["heard"] >= 1, f"{name}\n{context}"
-    # generous bounds for a loaded 2-core machine (the report carries the real targets)
-    assert faults["agent_worker_kill"]["recover_s"] <= 30, context
-    assert faults["engine_worker_kill"]["recover_s"] <= 120 and faults["engine_worker_kill"]["next_turn"], context
+        # each fault struck under load: a caller's turn was in flight (the turn log says so)
+        assert f["under_load"] and f["struck_turns"] >= 1, f"{name} struck an idle system\n{context}"
+    # the engine's worker was killed mid-utterance: the engine counts the request it cut
+    kill = faults["engine_worker_kill"]
+    assert kill["mid_utterance"] and kill["strikes"][-1]["requests_cut"] >= 1, context
+    # how soon each fault recovered is the machine's business (recorded above; the report
+    # carries the targets): the tests hold what happened, in order.
+    # killed mid-call: the job's heartbeat socket closed, and the keeper acted on that (not on
+    # a heartbeat timeout)
+    assert any("without a goodbye" in k["reason"] for k in faults["agent_worker_kill"]["keeper"]), context
+    assert faults["engine_worker_kill"]["next_turn"], context
     outage = faults["llm_outage"]
     assert outage["refused_requests"] >= 1 and outage["during"]["apology"] >= 1 and outage["during"]["failed"] == 0, context
     assert set(faults["livekit_restart"]["reregistered_s"]) == {"a", "b"}, context

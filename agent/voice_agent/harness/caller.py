@@ -1,7 +1,7 @@
 """A caller in a LiveKit room, for the tests and the soak benchmark: a participant with a
 microphone track that speaks (10 ms frames in real time: silence, or the speech given to `say`)
 and records what comes back: every remote audio frame's peak, the `lk.transcription` text
-streams and the agent's state."""
+streams, the agent's state, and when the agent first subscribed to the microphone."""
 
 from __future__ import annotations
 
@@ -30,10 +30,14 @@ class Caller:
         self.texts: list[tuple[float, str]] = []  # (monotonic time, the agent's text)
         self.states: list[tuple[float, str]] = []  # (monotonic time, the agent's state)
         self.speech_end: float | None = None  # when the speech given to `say` was all played
+        # when a participant (the agent: the only other one) first subscribed to the microphone,
+        # as LiveKit tells a publisher (once per track: a later subscriber is not told of)
+        self.mic_subscribed: float | None = None
         self._speech: np.ndarray | None = None
         self._tasks: set[asyncio.Task] = set()
         self.room.on("track_subscribed", self._on_track)
         self.room.on("participant_attributes_changed", self._on_attributes)
+        self.room.on("local_track_subscribed", self._on_mic_subscribed)
         self.room.register_text_stream_handler(TOPIC, self._on_text)
 
     def _spawn(self, coro) -> None:
@@ -44,6 +48,10 @@ class Caller:
     def _on_track(self, track: rtc.Track, pub, participant: rtc.RemoteParticipant) -> None:
         if track.kind == rtc.TrackKind.KIND_AUDIO:
             self._spawn(self._receive(track, participant.identity))
+
+    def _on_mic_subscribed(self, _track) -> None:
+        if self.mic_subscribed is None:
+            self.mic_subscribed = time.monotonic()
 
     def _on_attributes(self, changed: dict, participant) -> None:
         if "lk.agent.state" in changed:

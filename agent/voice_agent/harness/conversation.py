@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -19,6 +20,28 @@ from livekit.agents.metrics import STTMetrics
 from voice_agent.harness.audio_io import CaptureAudioOutput, PacedAudioInput
 
 COMPONENTS = {"tts_error": "TTS", "stt_error": "STT", "llm_error": "LLM"}  # LiveKit's error types
+
+
+HOLD_S = 3600.0  # LiveKit's endpointing delay while a turn is held open: longer than any hang guard
+
+
+@dataclass
+class InParts:
+    """One utterance spoken in parts, with a wait between them that events end, not a clock.
+
+    After each part but the last, the turn waits for the STT's final transcript of that part,
+    then for `between(i)` (i: the part just spoken, from 0), while the microphone sends silence
+    in real time: as long as the caller pauses, however long the machine takes to get there.
+    LiveKit must not commit the turn during such a pause (its endpointing delay counts from
+    the end of speech, so a slow STT or condition would end the turn before the caller goes
+    on): from the first part until the last part's final transcript, both endpointing delays
+    are `HOLD_S`. They are set back in LiveKit's own event for that transcript, which it emits
+    before it starts the end-of-turn check on it, so the turn then ends after the session's
+    usual delay from the end of the last part, with every part's words in it.
+    """
+
+    parts: list[np.ndarray]
+    between: Callable[[int], Awaitable[object]]
 
 
 class TurnFailed(RuntimeError):
@@ -153,17 +176,21 @@ class Conversation:
             self._stt.append(metrics.duration)
             self._note(f"stt done ({metrics.audio_duration:.2f} s of audio)")
 
-    async def turn(self, speech: np.ndarray, *, timeout: float = 300.0) -> TurnReport:
-        """Speak `speech` (int16 at the input's rate) and wait for the agent's reply."""
+    async def turn(self, speech: np.ndarray | InParts, *, timeout: float = 300.0) -> TurnReport:
+        """Speak `speech` (int16 at the input's rate, or `InParts`) and wait for the agent's reply."""
         report = TurnReport()
         self._stt.clear()
         self._calls.clear()
         self._work.clear()
         self._errors.clear()
         self._trace.clear()
-        t_sent = await self.audio_in.play(speech)
-        wall_offset = time.time() - time.perf_counter()  # LiveKit stamps with time.time()
         deadline = time.perf_counter() + timeout
+        if isinstance(speech, InParts):
+            t_sent = await self._play_in_parts(speech, timeout)
+            deadline = time.perf_counter() + timeout  # the reply's own hang guard, after the pauses
+        else:
+            t_sent = await self.audio_in.play(speech)
+        wall_offset = time.time() - time.perf_counter()  # LiveKit stamps with time.time()
         heard: list[str] = []
         while True:
             try:
@@ -184,10 +211,13 @@ class Conversation:
             if item.role == "user":
                 heard.append(item.text_content or "")
                 report.early_commits += early
-                report.end_of_turn_delay_s = m.get("end_of_turn_delay")
+                # LiveKit's end-of-turn numbers, all from one message: it leaves them all out
+                # of a message whose VAD anchor it finds unreliable (audio_recognition.py), as
+                # can happen to the second message of a turn that came in two
                 if (stopped := m.get("stopped_speaking_at")) is not None:
                     report.vad_end_lag_s = stopped - (t_sent + wall_offset)
-                report.transcription_delay_s = m.get("transcription_delay")
+                    report.end_of_turn_delay_s = m.get("end_of_turn_delay")
+                    report.transcription_delay_s = m.get("transcription_delay")
             elif item.role == "assistant":
                 if early:  # its reply to the part before the pause: not this turn's answer
                     continue
@@ -218,6 +248,60 @@ class Conversation:
         report.tool_calls = list(self._calls)
         report.errors = list(self._errors)
         return report
+
+    async def _play_in_parts(self, speech: InParts, timeout: float) -> float:
+        """Play the parts (see `InParts`); returns when the last one was sent. The turn stays
+        held until the last part's final transcript (or this fails)."""
+        session = self.session
+        usual = {k: session.options.endpointing[k] for k in ("min_delay", "max_delay")}
+        finals: asyncio.Queue[str] = asyncio.Queue()
+        last_part = False
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                session.off("user_input_transcribed", on_transcribed)
+                session.update_options(endpointing_opts=usual)
+
+        def on_transcribed(ev) -> None:
+            if not ev.is_final:
+                return
+            if last_part:
+                # synchronous, inside LiveKit's emit: the end-of-turn check it starts next (for
+                # this transcript) reads the usual delays and cancels the held ones
+                release()
+                self._note("turn released: the usual endpointing delays again")
+            else:
+                finals.put_nowait(ev.transcript)
+
+        session.update_options(endpointing_opts={"min_delay": HOLD_S, "max_delay": HOLD_S})
+        session.on("user_input_transcribed", on_transcribed)
+        t_start = time.perf_counter()
+        try:
+            for i, part in enumerate(speech.parts):
+                # a final from now on, with every earlier part's awaited, is the last part's
+                last_part = i == len(speech.parts) - 1
+                sent = await self.audio_in.play(part)
+                if last_part:
+                    return sent
+                await self._wait(finals.get(), t_start, timeout, f"the final transcript of part {i + 1}")
+                self._note(f"part {i + 1} transcribed")
+                await self._wait(speech.between(i), t_start, timeout, f"the wait after part {i + 1}")
+                self._note(f"part {i + 1}: the wait after it is over")
+            raise ValueError("InParts with no parts")
+        except BaseException:
+            release()
+            raise
+
+    async def _wait(self, aw: Awaitable, t_start: float, timeout: float, what: str):
+        """`aw`, or TimeoutError (a hang guard: `timeout` from `t_start`) with the turn's trace."""
+        try:
+            return await asyncio.wait_for(aw, max(0.1, t_start + timeout - time.perf_counter()))
+        except TimeoutError:
+            raise TimeoutError(f"{what} did not come within {timeout:g} s; "
+                               f"{self.trace_since(t_start)}") from None  # fmt: skip
 
     def trace_since(self, t: float, last: int = 16) -> str:
         """One line: what the session did this turn (seconds from `t`), the last `last` events."""

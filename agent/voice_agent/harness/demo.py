@@ -20,7 +20,7 @@ import httpx
 import numpy as np
 
 from voice_agent.harness.audio_io import CaptureAudioOutput, PacedAudioInput
-from voice_agent.harness.conversation import Conversation, TurnFailed, TurnReport
+from voice_agent.harness.conversation import Conversation, InParts, TurnFailed, TurnReport
 from voice_agent.harness.speech_assets import AudioFileError, read_audio, speech_wav
 from voice_agent.observability import TurnMetrics, start_metrics_server
 from voice_agent.pipeline import VoiceAgent, build_session, build_stt
@@ -57,10 +57,11 @@ def trim_silence(samples: np.ndarray, threshold: float = 0.02) -> np.ndarray:
     return samples[loud[0] : loud[-1] + 1] if len(loud) else samples
 
 
-async def run_turns(settings: Settings, turns: list[np.ndarray], *, tts_url: str, llm_url: str,
+async def run_turns(settings: Settings, turns: list[np.ndarray | InParts], *, tts_url: str, llm_url: str,
                     turn_timeout: float = 300.0, agent: VoiceAgent | None = None,
                     on_start=None) -> list[TurnReport]:  # fmt: skip
-    """Each turn: the utterance, then microphone silence until the agent has answered.
+    """Each turn: the utterance (or its parts, with the waits between them: `InParts`), then
+    microphone silence until the agent has answered.
 
     A turn whose TTS, STT or LLM fails for good raises `TurnFailed` at once ("turn N: the TTS
     failed: <the engine's message>"); a turn the agent answered despite a failure (its apology
@@ -92,6 +93,8 @@ async def run_turns(settings: Settings, turns: list[np.ndarray], *, tts_url: str
     finally:
         await session.aclose()
         await conversation.audio_in.aclose()
+        if session.tts is not None:  # outside a job nobody else closes the plugin's sockets
+            await session.tts.aclose()
         livekit_log.removeFilter(quiet)
         if metrics_server is not None:
             await metrics_server.cleanup()

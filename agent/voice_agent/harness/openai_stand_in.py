@@ -8,8 +8,10 @@ and the soak benchmark lets it answer at once, always the same words.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -41,6 +43,7 @@ class ScriptedChatServer:
         self.keep_requests = keep_requests  # False: count them only (a long run's memory stays flat)
         self.requests: list[dict] = []
         self.request_count = 0
+        self._waiters: list[tuple[Callable[[dict], bool], asyncio.Future]] = []
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -58,6 +61,19 @@ class ScriptedChatServer:
     async def stop(self) -> None:
         if self.runner:
             await self.runner.cleanup()
+
+    async def request_where(self, match: Callable[[dict], bool]) -> dict:
+        """The first request (its body) that `match`es, once one has arrived (an event, no
+        polling; the caller bounds the wait). Needs `keep_requests`."""
+        for body in self.requests:
+            if match(body):
+                return body
+        waiter = (match, asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        try:
+            return await waiter[1]
+        finally:
+            self._waiters.remove(waiter)
 
     def _rule_tool(self, body: dict) -> str | None:
         """The tool a rule asks for: the last user message matches, and no tool has answered since."""
@@ -80,18 +96,20 @@ class ScriptedChatServer:
                 "model": self.model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
         return f"data: {json.dumps(body)}\n\n".encode()
 
-    def _answer(self, body: dict) -> str:
+    def answer_to(self, body: dict) -> str:
+        """The text this server answers a request (without a tool call) with."""
         if not self.echo:
             return self.answer
-        users = [m for m in body["messages"] if m.get("role") == "user"]
-        heard = _text(users[-1]["content"] if users else "")
-        return f"You said: {heard.strip().rstrip('.?!')}."
+        return f"You said: {last_user_text(body).strip().rstrip('.?!')}."
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.request_count += 1
         if self.keep_requests:
             self.requests.append(body)
+            for match, fut in self._waiters:
+                if not fut.done() and match(body):
+                    fut.set_result(body)
         if self.fail:
             return web.json_response({"error": {"message": "model overloaded"}}, status=500)
         had_tool_result = any(m.get("role") == "tool" for m in body["messages"])
@@ -109,7 +127,7 @@ class ScriptedChatServer:
             await resp.write(self._chunk({}, "tool_calls"))
         else:
             await resp.write(self._chunk({"role": "assistant", "content": ""}))
-            for word in self._answer(body).split():
+            for word in self.answer_to(body).split():
                 await resp.write(self._chunk({"content": word + " "}))
             await resp.write(self._chunk({}, "stop"))
         await resp.write(b"data: [DONE]\n\n")
@@ -124,10 +142,16 @@ class ScriptedChatServer:
                  "function": {"name": tool, "arguments": "{}"}}]}  # fmt: skip
             finish = "tool_calls"
         else:
-            message, finish = {"role": "assistant", "content": self._answer(body)}, "stop"
+            message, finish = {"role": "assistant", "content": self.answer_to(body)}, "stop"
         return web.json_response({"id": "chatcmpl-1", "object": "chat.completion", "created": int(time.time()),
                                   "model": self.model,
                                   "choices": [{"index": 0, "finish_reason": finish, "message": message}]})  # fmt: skip
+
+
+def last_user_text(body: dict) -> str:
+    """The text of a chat request's last user message ("" if it has none)."""
+    users = [m for m in body.get("messages", []) if m.get("role") == "user"]
+    return _text(users[-1].get("content")) if users else ""
 
 
 def _text(content) -> str:

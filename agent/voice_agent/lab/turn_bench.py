@@ -55,10 +55,11 @@ def turn_set(plain: int, paused: int, rate: int = 48000) -> list[SpokenTurn]:
 def baseline(settings: Settings) -> Settings:
     """The pipeline's settings before the turn-taking work: LiveKit's VAD window (0.55 s), its
     endpointing delays, the whole utterance transcribed once it has ended, no check on the
-    transcript, no preemptive generation, whole sentences to the TTS with 4-frame first chunks."""
+    transcript, no preemptive generation, whole sentences to the TTS with 4-frame first chunks
+    (no streamed text)."""
     return replace(settings, stt_streaming=False, stt_encoder_context=30.0, vad_min_silence=0.55, endpointing_min_delay=0.5,
                    endpointing_max_delay=3.0, turn_detector="none", preemptive_generation=False, preemptive_tts=False,
-                   tts_first_clause_words=0, tts_first_clause_chunk_frames=4)  # fmt: skip
+                   tts_first_clause_words=0, tts_first_clause_chunk_frames=4, tts_text_input="sentences")  # fmt: skip
 
 
 def words(text: str) -> list[str]:

@@ -99,6 +99,19 @@ def _identity(pid: int) -> str | None:
         return None
 
 
+def _is_running(identity: str) -> bool:
+    """The process an `_identity` string names still runs. Its start time is compared within a
+    second: psutil adds the kernel's boot time (`btime`, whole seconds, moved when the wall clock
+    is stepped) to the start, so the same process can read a second apart; a pid reused within
+    that second by another process is not a practical risk."""
+    try:
+        pid_text, created_text = identity.split()
+        pid, created = int(pid_text), float(created_text)
+        return abs(psutil.Process(pid).create_time() - created) <= 1.001
+    except (ValueError, psutil.Error):
+        return False
+
+
 def join(key: str) -> None:
     """Register this process as a user of the service `key`."""
     users = cache_dir() / f"{key}.users"
@@ -116,7 +129,7 @@ def _live_users(key: str) -> list[int]:
     users = cache_dir() / f"{key}.users"
     alive = []
     for path in users.iterdir() if users.is_dir() else ():
-        if path.name.isdigit() and path.read_text() == _identity(int(path.name)):
+        if path.name.isdigit() and _is_running(text := path.read_text()) and text.split()[0] == path.name:
             alive.append(int(path.name))
         else:
             path.unlink(missing_ok=True)
@@ -145,7 +158,7 @@ def started(key: str) -> Started | None:
         pid = int(identity.split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    return Started(pid, model or None) if _identity(pid) == identity else None
+    return Started(pid, model or None) if _is_running(identity) else None
 
 
 def _stop_started(key: str, proc: subprocess.Popen | None) -> None:

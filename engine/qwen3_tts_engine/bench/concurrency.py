@@ -10,7 +10,8 @@ The codes path also says whether batching changed any stream's codes (the same s
 batched and one by one: streams whose codes differ, and the first frame where they do) and how
 much mlx memory each extra stream adds at the peak (talker KV, activations, vocoder state).
 Each level reports first audio p50/p95, per-stream real-time factor (wall time / audio
-duration) and aggregate frames per second; `ratios` divides each level by the 1-stream level of
+duration) and aggregate frames per second; `realtime_slots`, the streams one engine keeps in real
+time by the server's measured steps (what `serve`'s frame budget admits: sizing a fleet); `ratios` divides each level by the 1-stream level of
 the same path in the same run (compare ratios, not seconds: the machines are shared).
 """
 
@@ -29,6 +30,7 @@ import numpy as np
 
 from qwen3_tts_engine.bench.memory import real_size_dir, write_real_size_checkpoint
 from qwen3_tts_engine.config import EngineConfig, build_server
+from qwen3_tts_engine.dispatch.capacity import FRAME_S, StepModel
 from qwen3_tts_engine.models.checkpoints import cache_root
 from qwen3_tts_engine.models.variants import resolve
 from qwen3_tts_engine.protocol import FRAME_RATE, SpeechRequest, compute_dtype_option
@@ -187,8 +189,10 @@ async def _http_stream(client: httpx.AsyncClient, url: str, body: dict, t0: floa
 
 async def _http(model_path: str, levels: list[int], frames: int, repeats: int,
                 compute_dtype: str | None) -> tuple[dict, str | None]:  # fmt: skip
+    # No frame budget: every level runs all its streams together (the admission would hold back
+    # the streams a slow machine cannot keep in real time); the sizing it would use is reported.
     server = build_server(EngineConfig(model_path, max_batch=max(levels), compute_dtype=compute_dtype,
-                                       server=ServerConfig(port=0)))  # fmt: skip
+                                       server=ServerConfig(port=0), frame_budget_s=None))  # fmt: skip
     await server.start()
     url = f"http://127.0.0.1:{server.port}/v1/audio/speech"
     voice = (server.engine.active.info["voices"] or [None])[0]
@@ -213,9 +217,18 @@ async def _http(model_path: str, levels: list[int], frames: int, repeats: int,
                     steps[n] = {k: server.engine.active.batching.get(k)  # the server's recent steps
                                 for k in ("step_s_p50", "step_s_p95", "batch_occupancy")}  # fmt: skip
         compute = server.engine.active.info.get("compute_dtype")  # as the worker loaded it
+        sizing = realtime_slots(server.engine.active.steps, max(levels))
     finally:
         await server.stop()
-    return {str(n): {**_collect(runs[n]), "server_step_s": steps[n]} for n in levels}, compute
+    return {str(n): {**_collect(runs[n]), "server_step_s": steps[n]} for n in levels}, compute, sizing
+
+
+def realtime_slots(steps: StepModel, max_batch: int) -> dict:
+    """Streams one engine keeps in real time (docs/fleet.md: sizing a fleet): the most streams
+    whose step, as the server measured its steps, stays within the 80 ms a frame plays for."""
+    return {"frame_budget_ms": round(FRAME_S * 1000, 3), "slots": steps.slots(FRAME_S, max_batch),
+            "step_s": {str(n): round(p, 5) for n, p in steps.curve(max_batch).items()},
+            "measured_step_s": {str(n): round(v, 5) for n, v in steps.measured().items()}}  # fmt: skip
 
 
 def _ratios(path: dict) -> dict:
@@ -252,9 +265,10 @@ def run_concurrency_bench(args) -> int:
     report["paths"] = _in_process(model, levels, args.frames, args.repeats, compute_dtype,
                                   codes_only=args.codes_only)  # fmt: skip
     if not (args.no_http or args.codes_only):
-        report["paths"]["http"], compute = asyncio.run(_http(model, levels, args.frames, args.repeats,
-                                                              compute_dtype))  # fmt: skip
+        report["paths"]["http"], compute, sizing = asyncio.run(_http(model, levels, args.frames, args.repeats,
+                                                                      compute_dtype))  # fmt: skip
         report["server_compute_dtype"] = compute or "weights"
+        report["realtime_slots"] = sizing
     report["ratios"] = {path: _ratios(v) for path, v in report["paths"].items()}
     text = json.dumps(report, indent=2)
     print(text)

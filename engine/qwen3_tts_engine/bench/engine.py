@@ -110,7 +110,7 @@ async def _http_first_audio(url: str, body: dict) -> float:
 
 
 async def _server_numbers(model: str, repeats: int, frames: int, clients_levels) -> dict:
-    server = build_server(EngineConfig(model, server=ServerConfig(port=0)))
+    server = build_server(EngineConfig(model, server=ServerConfig(port=0), frame_budget_s=None))  # all run
     await server.start()
     url = f"http://127.0.0.1:{server.port}/v1/audio/speech"
     voice = (server.engine.active.info["voices"] or [None])[0]

@@ -151,8 +151,9 @@ async def _mode(model: str, mode: str, plain: dict[str, float], loading_nice: in
                 idle_reference: bool = False, spare_worker: bool = False) -> dict:  # fmt: skip
     governor = GovernorConfig(Policy(ladder=("bf16", "8bit")), probe=ManualProbe(), auto=False,
                               allow_unevaluated=("all",), spare_worker=spare_worker)  # swaps, not quality
+    # no frame budget: the streams all run together whatever this machine's speed
     server = build_server(EngineConfig(model, variants=("bf16",), server=ServerConfig(port=0),
-                                       governor=governor))  # fmt: skip
+                                       governor=governor, frame_budget_s=None))  # fmt: skip
     gov, engine = server.governor, server.engine
     gov.loading_nice = loading_nice
     await server.start()

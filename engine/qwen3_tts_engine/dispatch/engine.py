@@ -15,9 +15,10 @@ from qwen3_tts_engine.dispatch.handler import (
     HandlerError,
     Result,
 )
+from qwen3_tts_engine.dispatch.text_input import TextInput
 from qwen3_tts_engine.log import logger
 from qwen3_tts_engine.models.recipes import RECIPES
-from qwen3_tts_engine.protocol import RequestError, SpeechRequest
+from qwen3_tts_engine.protocol import ENGINE_FULL, LoadReport, RequestError, SpeechRequest
 from qwen3_tts_engine.rules import ModelInfo, check_request
 
 
@@ -41,6 +42,7 @@ class Engine:
         self.pending_variant: str | None = None  # what a break-before-make swap is loading
         self.wait_timeout = wait_timeout
         self.gap_waiting = 0
+        self.retired_underruns = 0  # of handlers that left (the counter never goes down)
         self._serving = asyncio.Event()
 
     async def start(self) -> None:
@@ -102,7 +104,7 @@ class Engine:
         if not self._serving.is_set():
             if self.gap_waiting >= self.active.max_queue:
                 raise RequestError(f"{self.gap_waiting} requests are already waiting for a "
-                                   "variant swap", status=429)  # fmt: skip
+                                   "variant swap", status=429, code=ENGINE_FULL)  # fmt: skip
             self.gap_waiting += 1
             try:
                 await asyncio.wait_for(self._serving.wait(), self.wait_timeout)
@@ -115,16 +117,18 @@ class Engine:
         return self.pick(req)
 
     async def stream(
-        self, req: SpeechRequest, *, ref_audio: bytes | None = None, result: Result | None = None
+        self, req: SpeechRequest, *, ref_audio: bytes | None = None, result: Result | None = None,
+        text: TextInput | None = None,
     ) -> AsyncIterator[AudioChunk]:
         """Chunks for `req` from the right handler; a request that a handler let go before it
-        started (the handler is being swapped out) is routed to the next one, never dropped."""
+        started (the handler is being swapped out) is routed to the next one, never dropped.
+        `text`: a streamed-text request's text, as it arrives."""
         result = result if result is not None else Result()
         t0 = time.perf_counter()
         for _ in range(8):
             handler = await self.acquire(req)
             waited = time.perf_counter() - t0
-            chunks = handler.synthesize(req, ref_audio=ref_audio, result=result)
+            chunks = handler.synthesize(req, ref_audio=ref_audio, result=result, text=text)
             try:
                 async with contextlib.aclosing(chunks):
                     async for chunk in chunks:
@@ -138,6 +142,33 @@ class Engine:
                     raise
                 logger.debug("request moved off draining handler %s", handler.name)
         raise HandlerError("no handler would take the request (swaps kept replacing them)")
+
+    def load(self, *, swapping: bool = False, started: bool = True) -> LoadReport:
+        """What this engine takes now (`GET /load`): streams running and waiting over every
+        handler, the serving handler's real-time slots, and its state. `swapping`: the governor is
+        between variants; `started`: the governor has fixed its ladder."""
+        handlers = self.all_handlers()
+        running = sum(h.in_flight for h in handlers)
+        waiting = sum(h.waiting for h in handlers) + self.gap_waiting
+        active = self.active
+        if active.state in ("starting", "failed") or not started:
+            state = "loading"  # first load, or a worker being restarted
+        elif swapping or not self.serving:
+            state = "swapping"
+        elif active.state != "ready":
+            state = "draining"
+        else:
+            state = "serving"
+        slots = active.slots
+        budget = active.frame_budget_s
+        return LoadReport(
+            running=running, waiting=waiting, max_batch=active.max_batch, slots=slots,
+            free_slots=max(0, slots - running - waiting) if state == "serving" else 0,
+            accepting=state in ("serving", "swapping"), state=state,
+            underruns=self.retired_underruns + sum(h.underruns for h in handlers),
+            frame_budget_ms=None if budget is None else round(budget * 1000, 3),
+            step_s={str(n): round(p, 5) for n, p in active.steps.curve(active.max_batch).items()},
+        )  # fmt: skip
 
     # -- swap primitives (the governor's) ---------------------------------------------------
 
@@ -153,6 +184,8 @@ class Engine:
                 del self.handlers[old.variant]
             if old.state != "stopped" and old not in self.retiring:
                 self.retiring.append(old)
+            elif old not in self.retiring:
+                self.retired_underruns += old.underruns
         self.handlers[new.variant] = new
         self.active = new
         self.info = new.info or self.info
@@ -163,6 +196,7 @@ class Engine:
         """A retired handler has stopped: it leaves the engine."""
         if handler in self.retiring:
             self.retiring.remove(handler)
+            self.retired_underruns += handler.underruns
 
     def resume(self) -> None:
         """End a gap without a new handler (a failed swap): waiting requests get an answer."""

@@ -2,8 +2,9 @@
 
 The server's side of a worker process (`worker/main.py` is the other side; `messages.py` the
 pipe between them). It is started (load + warm-up), serves up to `max_batch` syntheses at once
-(its worker batches them: `worker/scheduler.py`) with a FIFO queue for the rest whose wait is
-measured, can be drained and stopped, and restarts its worker when that dies. The governor swaps
+(its worker batches them: `worker/scheduler.py`), or fewer: only as many as its worker's
+measured steps keep in real time (`capacity.py`), with a bounded FIFO queue for the rest whose
+wait is measured; it can be drained and stopped, and restarts its worker when that dies. The governor swaps
 handlers; the server routes requests to them.
 """
 
@@ -22,8 +23,10 @@ from dataclasses import dataclass
 import psutil
 
 from qwen3_tts_engine import messages as msg
+from qwen3_tts_engine.dispatch.capacity import Admission, StepModel, default_frame_budget
 from qwen3_tts_engine.dispatch.launch import spawn_worker
 from qwen3_tts_engine.dispatch.spare import SpareWorker
+from qwen3_tts_engine.dispatch.text_input import TextInput
 from qwen3_tts_engine.log import logger
 from qwen3_tts_engine.priority import renice
 from qwen3_tts_engine.protocol import (
@@ -45,7 +48,7 @@ class HandlerDraining(HandlerError):
 
 
 class QueueFull(RuntimeError):
-    pass
+    """The handler cannot take the request in time: its batch and its queue are full (429)."""
 
 
 @dataclass
@@ -78,6 +81,8 @@ class Handler:
         load_timeout: float = 1800.0,
         max_batch: int = DEFAULT_MAX_BATCH,
         compute_dtype: str | None = None,
+        frame_budget_s: float | None | str = "default",
+        step_delay_s: float = 0.0,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -90,6 +95,13 @@ class Handler:
         self.load_timeout = load_timeout
         self.max_batch = max_batch
         self.compute_dtype = compute_dtype  # as asked (None: its weights' dtype; "auto")
+        # the longest a batch step may take (None: no budget, slots = max_batch); by default
+        # QWEN3_TTS_FRAME_BUDGET_MS or 80 ms
+        self.frame_budget_s = default_frame_budget() if frame_budget_s == "default" else frame_budget_s
+        self.step_delay_s = step_delay_s  # fault injection (messages.WorkerSpec)
+        self.steps = StepModel()
+        self.underruns = 0  # chunks made after their listener needed them (all workers so far)
+        self.step_samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)
         self.name = f"{model}:{variant or 'default'}#{next(_ids)}"
         self.nice = 0  # the worker's niceness while it starts (set_nice changes it later)
         self.state = "stopped"  # starting | ready | draining | failed | stopped
@@ -101,7 +113,7 @@ class Handler:
         self.memory_reports = 0  # memory answers received from the worker
         self.waiting = 0
         self.in_flight = 0
-        self._slots = asyncio.Semaphore(max_batch)  # FIFO beyond max_batch streams
+        self._slots = Admission(lambda: self.slots)  # FIFO beyond the streams in real time
         self._idle = asyncio.Event()
         self._idle.set()
         self._ready = asyncio.Event()
@@ -117,10 +129,15 @@ class Handler:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def sibling(self, variant: str | None) -> Handler:
-        """A new, unstarted handler of the same model and options in `variant` (for swaps)."""
-        return Handler(self.model, variant, warmup=self.warmup, max_queue=self.max_queue,
+        """A new, unstarted handler of the same model and options in `variant` (for swaps). Its
+        step times start from this one's (a prior its own steps replace as they come), so a swap
+        under load does not drop the engine to one slot until the new worker has measured."""
+        new = Handler(self.model, variant, warmup=self.warmup, max_queue=self.max_queue,
                        restart=self.restart, load_timeout=self.load_timeout,
-                       max_batch=self.max_batch, compute_dtype=self.compute_dtype)  # fmt: skip
+                       max_batch=self.max_batch, compute_dtype=self.compute_dtype,
+                       frame_budget_s=self.frame_budget_s, step_delay_s=self.step_delay_s)  # fmt: skip
+        new.steps = self.steps.copy()
+        return new
 
     @property
     def variant(self) -> str | None:
@@ -139,6 +156,18 @@ class Handler:
     def queue_depth(self) -> int:
         return self.waiting + self.in_flight
 
+    @property
+    def slots(self) -> int:
+        """Streams this handler keeps in real time now (1..max_batch): its measured step time
+        against the frame budget (`capacity.py`); max_batch without a budget."""
+        return self.steps.slots(self.frame_budget_s, self.max_batch)
+
+    def take_step_samples(self) -> list[tuple[int, float]]:
+        """The (streams, seconds) steps reported since the last call (for a histogram)."""
+        samples = list(self.step_samples)
+        self.step_samples.clear()
+        return samples
+
     async def start(self, spare: SpareWorker | None = None) -> dict:
         """Spawn the worker (or hand `spare` the spec), load and warm the model; returns the
         worker's info."""
@@ -149,7 +178,7 @@ class Handler:
         self._ready.clear()
         spec = msg.WorkerSpec(model=self.model, variant=self.requested_variant,
                               warmup=self.warmup, nice=self.nice, max_batch=self.max_batch,
-                              compute_dtype=self.compute_dtype)  # fmt: skip
+                              compute_dtype=self.compute_dtype, step_delay_s=self.step_delay_s)  # fmt: skip
         if spare is not None and spare.take(self.nice):
             self._proc, parent = spare.proc, spare.conn
             parent.send(spec)
@@ -214,7 +243,13 @@ class Handler:
             self.memory_reports += 1
         elif isinstance(m, msg.BatchingReport):
             self.batching = m.stats
-        elif isinstance(m, msg.Chunk | msg.Done | msg.Failed):
+        elif isinstance(m, msg.StepTimes):
+            for streams, seconds in m.steps:
+                self.steps.observe(streams, seconds)
+            self.step_samples.extend(m.steps)
+            self.underruns += m.underruns
+            self._slots.wake()  # the slots may have grown
+        elif isinstance(m, msg.Chunk | msg.TextCommitted | msg.Done | msg.Failed):
             if (queue := self._streams.get(m.id)) is not None:
                 queue.put_nowait(m)
         # a message of a request that is gone (cancelled and acknowledged) is dropped
@@ -298,9 +333,11 @@ class Handler:
     # -- synthesis ---------------------------------------------------------------------------
 
     async def synthesize(
-        self, req: SpeechRequest, *, ref_audio: bytes | None = None, result: Result | None = None
+        self, req: SpeechRequest, *, ref_audio: bytes | None = None, result: Result | None = None,
+        text: TextInput | None = None,
     ) -> AsyncIterator[AudioChunk]:
-        """Stream audio chunks for `req`. Closing the iterator early cancels the synthesis."""
+        """Stream audio chunks for `req`. Closing the iterator early cancels the synthesis.
+        `text`: the text of a streamed-text request, sent to the worker as it arrives."""
         if self.state in ("draining", "stopped"):
             raise HandlerDraining(f"handler {self.name} is {self.state}")
         if self.waiting >= self.max_queue:
@@ -321,7 +358,7 @@ class Handler:
                 result.variant = self.variant
                 # aclosing: an abandoned stream cancels the worker's synthesis and waits for its
                 # acknowledgement before its slot passes on (not later, when it is collected).
-                async with contextlib.aclosing(self._run(req, ref_audio, result, t0)) as chunks:
+                async with contextlib.aclosing(self._run(req, ref_audio, result, t0, text)) as chunks:
                     async for chunk in chunks:
                         yield chunk
             finally:
@@ -350,7 +387,8 @@ class Handler:
             self._slots.release()
             raise HandlerDraining(f"handler {self.name} is {self.state}")
 
-    async def _run(self, req, ref_audio, result: Result, t0: float) -> AsyncIterator[AudioChunk]:
+    async def _run(self, req, ref_audio, result: Result, t0: float,
+                   text: TextInput | None = None) -> AsyncIterator[AudioChunk]:  # fmt: skip
         req_id = f"r{next(_ids)}"
         inbox: asyncio.Queue = asyncio.Queue()
         self._streams[req_id] = inbox
@@ -361,6 +399,9 @@ class Handler:
                 finished = True
                 raise HandlerError(f"{self.name}: its worker is not running")
             self._conn.send(msg.Synthesize(req_id, req.to_dict(), ref_audio))
+            if text is not None:
+                text.attach(lambda piece: self._send(msg.AppendText(req_id, piece)),
+                            lambda: self._send(msg.EndText(req_id)))  # fmt: skip
             while True:
                 m = await inbox.get()
                 if isinstance(m, msg.Died):
@@ -369,7 +410,10 @@ class Handler:
                         f"the TTS worker died during synthesis (exit code {m.exitcode})"
                         + ("" if self._stopping else "; it is being restarted")
                     )
-                if isinstance(m, msg.Chunk):
+                if isinstance(m, msg.TextCommitted):
+                    if text is not None:
+                        text.tokens = m.tokens
+                elif isinstance(m, msg.Chunk):
                     if result.first_audio_s is None:
                         result.first_audio_s = time.perf_counter() - t0
                     yield AudioChunk(m.pcm, m.frames, m.compute_s, index)
@@ -389,6 +433,8 @@ class Handler:
                         raise RequestError(m.message, param=m.param)
                     raise HandlerError(m.message)
         finally:
+            if text is not None:
+                text.detach()
             try:
                 if not finished:
                     # The consumer went away (client disconnect, barge-in): stop the stream
@@ -396,6 +442,12 @@ class Handler:
                     await _uninterrupted(self._cancel(req_id, inbox))
             finally:
                 self._streams.pop(req_id, None)
+
+    def _send(self, m: msg.ToWorker) -> None:
+        try:
+            self._conn.send(m)
+        except OSError:
+            pass  # the worker died; its Died message reaches the stream
 
     async def _cancel(self, req_id: str, inbox: asyncio.Queue) -> None:
         try:

@@ -17,7 +17,14 @@ from qwen3_tts_engine.models.recipes import (
     component_rule,
 )
 
-__all__ = ["COMPONENTS", "EMBEDDING_COMPONENTS", "all_but", "everything", "only", "protect"]
+__all__ = ["COMPONENTS", "EMBEDDING_COMPONENTS", "all_but", "check_components", "everything", "only",
+           "protect"]
+
+
+def check_components(names: Collection[str]) -> None:
+    """ValueError naming any of `names` that is not a component."""
+    if unknown := [c for c in names if c not in COMPONENTS]:
+        raise ValueError(f"unknown component(s) {', '.join(unknown)}; components: {', '.join(COMPONENTS)}")
 
 def only(component: str, bits: int, group_size: int = 64) -> Recipe:
     """Only `component` quantized, everything else in full precision."""

@@ -21,6 +21,7 @@ from qwen3_tts_engine.models.components import (
     COMPONENTS,
     EMBEDDING_COMPONENTS,
     all_but,
+    check_components,
     only,
     protect,
 )
@@ -72,9 +73,7 @@ def ablate(
     """The ablation report: stage-1 candidates, the ranking, and (RTN only) the proposal."""
     settings = settings or EvalSettings()
     components = components or list(COMPONENTS)
-    unknown = [c for c in components if c not in COMPONENTS]
-    if unknown:
-        raise ValueError(f"unknown component(s) {', '.join(unknown)}; components: {', '.join(COMPONENTS)}")
+    check_components(components)
     ref = Reference(reference_path, settings, progress=progress)
     report = evaluate(reference_path, _stage1(ref.model, components, bits, group_size, donor),
                       settings, progress=progress, reference=ref)  # fmt: skip

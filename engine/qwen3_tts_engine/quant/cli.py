@@ -22,14 +22,15 @@ def _reference(name: str | None) -> Path:
     """A local full-precision checkpoint for `name` (hub ids are downloaded as bf16)."""
     from qwen3_tts_engine.models.variants import resolve
     from qwen3_tts_engine.tiny_checkpoints import TINY_WARNING, default_tiny_checkpoint
-    from qwen3_tts_engine.worker.loading import fetch
 
     if not name:
         _say(TINY_WARNING)
         return default_tiny_checkpoint()
-    source = resolve(name, "bf16")
+    source = resolve(name, "bf16")  # a missing folder fails here, before mlx is imported
     if source.quantize_with is not None:
         raise ValueError(f"{name}: the reference must be full precision")
+    from qwen3_tts_engine.worker.loading import fetch
+
     path = fetch(source)
     config = json.loads((path / "config.json").read_text())
     if config.get("quantization"):
@@ -42,7 +43,8 @@ def _csv(text: str | None) -> list[str]:
 
 
 def _settings(args):
-    from qwen3_tts_engine.quant.evaluate import EVAL_TEXTS, EvalSettings
+    """The evaluation settings; the arguments are checked before the toolkit (mlx) is imported."""
+    from qwen3_tts_engine.quant.texts import EVAL_TEXTS
 
     texts = EVAL_TEXTS
     if args.texts_file:
@@ -70,14 +72,19 @@ def _settings(args):
         raise ValueError("--audio-items must be >= 0")
     if args.audio_items:
         _need_audio_metrics()
+    budget = None
+    if args.budget:
+        from qwen3_tts_engine.governor.budget import load_budget
+
+        budget = load_budget(Path(args.budget))
+    from qwen3_tts_engine.quant.evaluate import EvalSettings
+
     settings = EvalSettings(texts=texts, seeds=seeds, max_new_tokens=args.max_new_tokens,
                             voice=args.voice, language=args.language, audio_items=args.audio_items,
                             instructions=args.instructions,
                             calibration_frames=args.calibration_frames)  # fmt: skip
-    if args.budget:
-        from qwen3_tts_engine.governor.budget import load_budget
-
-        settings.budget = load_budget(Path(args.budget))
+    if budget is not None:
+        settings.budget = budget
     return settings
 
 
@@ -92,11 +99,11 @@ def _need_audio_metrics() -> None:
                          "--audio-items 0")  # fmt: skip
 
 
-def _candidates(specs: list[str], gptq: list[str]):
-    """Candidates from names, recipe files and checkpoint dirs (+ a GPTQ twin per recipe)."""
+def _candidate_specs(specs: list[str], gptq: list[str]) -> list[dict]:
+    """Candidates (as Candidate's arguments) from names, recipe files and checkpoint dirs (+ a
+    GPTQ twin per recipe), checked without mlx: a typo fails before the toolkit is imported."""
     from qwen3_tts_engine.models.components import COMPONENTS, EMBEDDING_COMPONENTS
     from qwen3_tts_engine.models.recipes import RECIPES, load_recipe
-    from qwen3_tts_engine.quant.candidates import Candidate
 
     linear = [c for c in COMPONENTS if c not in EMBEDDING_COMPONENTS]  # GPTQ solves for matmuls
     bad = [c for c in gptq if c not in linear]
@@ -108,19 +115,25 @@ def _candidates(specs: list[str], gptq: list[str]):
         if spec not in RECIPES and path.is_dir():  # a built-in name wins over a folder of that name
             if not (path / "config.json").is_file():
                 raise ValueError(f"{spec}: a directory without config.json is not a checkpoint")
-            out.append(Candidate(path.name, "checkpoint", path=path))
+            out.append(dict(name=path.name, method="checkpoint", path=path))
             continue
         recipe = load_recipe(spec)
         if not recipe.is_quantized:
-            out.append(Candidate(recipe.name, "reference"))
+            out.append(dict(name=recipe.name, method="reference"))
             continue
-        out.append(Candidate(recipe.name, recipe=recipe))
+        out.append(dict(name=recipe.name, recipe=recipe))
         if gptq:
-            out.append(Candidate(f"{recipe.name}+gptq({'+'.join(gptq)})", "gptq", recipe=recipe,
-                                 gptq=tuple(gptq)))  # fmt: skip
+            out.append(dict(name=f"{recipe.name}+gptq({'+'.join(gptq)})", method="gptq", recipe=recipe,
+                            gptq=tuple(gptq)))  # fmt: skip
     if not out:
         raise ValueError("no candidates given")
     return out
+
+
+def _candidates(specs: list[dict]):
+    from qwen3_tts_engine.quant.candidates import Candidate
+
+    return [Candidate(**spec) for spec in specs]
 
 
 def _without_idle_twins(candidates, model) -> list:
@@ -157,13 +170,14 @@ def _summary(report: dict, paths: dict, stored: list[Path]) -> dict:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    specs = _candidate_specs(_csv(args.candidates), _csv(args.gptq))  # bad input fails before any work
+    settings = _settings(args)
+    reference = _reference(args.reference)
     from qwen3_tts_engine.governor import gate
     from qwen3_tts_engine.quant.evaluate import Reference, evaluate
     from qwen3_tts_engine.quant.report import markdown_table, write_report
 
-    settings = _settings(args)
-    reference = _reference(args.reference)
-    candidates = _candidates(_csv(args.candidates), _csv(args.gptq))  # bad specs fail before any work
+    candidates = _candidates(specs)
     t0 = time.perf_counter()
     ref = Reference(reference, settings, progress=_say)
     candidates = _without_idle_twins(candidates, ref.model)
@@ -188,17 +202,20 @@ def _finish(args, report, paths, stored, markdown_table) -> int:
 
 
 def cmd_ablate(args: argparse.Namespace) -> int:
-    from qwen3_tts_engine.quant.ablate import ablate
-    from qwen3_tts_engine.quant.report import markdown_table, write_report
+    from qwen3_tts_engine.models.components import check_components
 
-    settings = _settings(args)
-    reference = _reference(args.reference)
     donor = Path(args.donor).expanduser() if args.donor else None
     if donor is not None and not (donor / "config.json").is_file():
         raise ValueError(f"--donor {args.donor}: not a checkpoint directory")
     keep = None if args.keep_bits == "bf16" else int(args.keep_bits)
     if keep is not None and keep <= args.bits:
         raise ValueError(f"--keep-bits {keep} must be more than --bits {args.bits} (or bf16)")
+    check_components(_csv(args.components))
+    settings = _settings(args)
+    reference = _reference(args.reference)
+    from qwen3_tts_engine.quant.ablate import ablate
+    from qwen3_tts_engine.quant.report import markdown_table, write_report
+
     report = ablate(reference, bits=args.bits, group_size=args.group_size, keep_bits=keep, donor=donor,
                     components=_csv(args.components) or None, settings=settings, progress=_say)  # fmt: skip
     out = _out_dir(args, "ablation")
@@ -240,22 +257,24 @@ def _check_out(out: Path, src: Path, force: bool) -> None:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     from qwen3_tts_engine.models.recipes import load_recipe
-    from qwen3_tts_engine.quant.candidates import build, load_dir, weight_bytes
-    from qwen3_tts_engine.quant.evaluate import EvalSettings, Reference
-    from qwen3_tts_engine.worker.loading import save_quantized
 
     recipe = load_recipe(args.recipe)
     if not recipe.is_quantized:
         raise ValueError(f"recipe {recipe.name!r} quantizes nothing")
+    if args.calibration_frames is not None and args.calibration_frames < 1:
+        raise ValueError("--calibration-frames must be at least 1")
+    gptq = _csv(args.gptq)
+    spec = _candidate_specs([args.recipe], gptq)[-1]  # the GPTQ twin when --gptq is given
     src = _reference(args.model)
     out = Path(args.out).expanduser()
     _check_out(out, src, args.force)
-    gptq = _csv(args.gptq)
-    cand = _candidates([args.recipe], gptq)[-1]  # the GPTQ twin when --gptq is given
+    from qwen3_tts_engine.quant.candidates import build, load_dir, weight_bytes
+    from qwen3_tts_engine.quant.evaluate import EvalSettings, Reference
+    from qwen3_tts_engine.worker.loading import save_quantized
+
+    (cand,) = _candidates([spec])
     t0 = time.perf_counter()
     calibrate = None
-    if args.calibration_frames is not None and args.calibration_frames < 1:
-        raise ValueError("--calibration-frames must be at least 1")
     if gptq:
         ref = Reference(src, EvalSettings(texts=(), calibration_frames=args.calibration_frames),
                         progress=_say)  # fmt: skip

@@ -16,9 +16,9 @@ import mlx.core as mx
 import numpy as np
 
 from qwen3_tts_engine.protocol import SpeechRequest
-from qwen3_tts_engine.rules import ModelInfo, check_request
+from qwen3_tts_engine.rules import ModelInfo, check_request, text_mode_for
 from qwen3_tts_engine.worker.loading import describe
-from qwen3_tts_engine.worker.prompts import build_prompt
+from qwen3_tts_engine.worker.text_track import TextTrack
 
 
 @dataclass
@@ -41,8 +41,10 @@ def _log_softmax(x: mx.array) -> np.ndarray:
 
 def teacher_forced(model, req: SpeechRequest, codes: np.ndarray) -> Forced:
     """Distributions of `model` along `codes` [T, 16] for the prompt of `req` (one text)."""
-    voice = check_request(req, ModelInfo.from_info(describe(model)))
-    embeds, trailing, pad = build_prompt(model, req.input, req, voice, None)
+    info = ModelInfo.from_info(describe(model))
+    voice = check_request(req, info)
+    track = TextTrack(model, req, text_mode_for(req, info), text=req.input)
+    embeds = track.prompt(voice, None)
     talker = model.talker
     cfg = model.config.talker_config
     embed0 = talker.get_input_embeddings()
@@ -55,10 +57,9 @@ def teacher_forced(model, req: SpeechRequest, codes: np.ndarray) -> Forced:
     codec = embed0(c[:, 0])
     for i in range(groups):
         codec = codec + cp.codec_embedding[i](c[:, i + 1])
-    text = trailing[0, :n]
-    if text.shape[0] < n:
-        text = mx.concatenate([text, mx.repeat(pad[0], n - text.shape[0], axis=0)], axis=0)
-    seq = mx.concatenate([embeds, (text + codec)[None].astype(embeds.dtype)], axis=1)
+    # The text term of each step, as the scheduler feeds it (a whole text never waits).
+    steps = codec + mx.concatenate([track.term(t)[0] for t in range(n)], axis=0) if n else codec
+    seq = mx.concatenate([embeds, steps[None].astype(embeds.dtype)], axis=1)
     hidden = talker.model(seq)
     start = embeds.shape[1] - 1
     # Only the steps that emit a frame go through the head (GPTQ calibrates on exactly these).

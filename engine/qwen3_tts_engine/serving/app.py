@@ -19,6 +19,8 @@ from qwen3_tts_engine.dispatch.engine import Engine
 from qwen3_tts_engine.governor.governor import Governor
 from qwen3_tts_engine.log import logger
 from qwen3_tts_engine.protocol import (
+    DEFAULT_TEXT_PACE,
+    DEFAULT_TEXT_START_TOKENS,
     OPENAI_VOICE_ALIASES,
     Limits,
     RequestError,
@@ -27,6 +29,7 @@ from qwen3_tts_engine.serving.auth import authorized, carries, exposure_problem
 from qwen3_tts_engine.serving.metrics import Metrics
 from qwen3_tts_engine.serving.operator import OperatorRoutes
 from qwen3_tts_engine.serving.speech import SpeechRoutes
+from qwen3_tts_engine.serving.speech_stream import SpeechStreamRoutes
 from qwen3_tts_engine.serving.tracing import configure_from_env
 
 
@@ -47,6 +50,14 @@ class ServerConfig:
     max_body_bytes: int = 12 * 1024 * 1024
     max_queue: int = 32
     retry_after_s: int = 2
+    # streamed text (docs/engine-api.md): tokens before the first frame, tokens per frame at most
+    text_start_tokens: int = DEFAULT_TEXT_START_TOKENS
+    text_pace: float = DEFAULT_TEXT_PACE
+    # a WebSocket client that stops reading is dropped (its utterance cancelled) when this much
+    # audio waits for it (1 MiB: ~11 s of audio, in the kernel and again in the transport), or
+    # when one frame takes longer than the timeout to go out
+    ws_send_buffer_bytes: int = 1 << 20
+    ws_send_timeout_s: float = 30.0
     # voice names a request may use for the model's voices (OpenAI's by default)
     voice_aliases: dict[str, str] = field(default_factory=lambda: dict(OPENAI_VOICE_ALIASES))
 
@@ -62,7 +73,9 @@ class EngineServer:
                                    middlewares=[self._errors])  # fmt: skip
         self.speech_routes = SpeechRoutes(self)
         self.operator_routes = OperatorRoutes(self)
-        self.app.add_routes([*self.speech_routes.routes(), *self.operator_routes.routes()])
+        self.stream_routes = SpeechStreamRoutes(self, self.speech_routes)
+        self.app.add_routes([*self.speech_routes.routes(), *self.stream_routes.routes(),
+                             *self.operator_routes.routes()])  # fmt: skip
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 

@@ -6,7 +6,7 @@ from aiohttp import web
 
 from qwen3_tts_engine.dispatch.handler import HandlerError, QueueFull
 from qwen3_tts_engine.governor.governor import SwapInProgress
-from qwen3_tts_engine.protocol import RequestError
+from qwen3_tts_engine.protocol import ENGINE_FULL, RequestError
 
 # First match wins: keep subclasses above their bases. A RequestError carries its own status.
 _STATUS: tuple[tuple[type[Exception], int], ...] = (
@@ -14,6 +14,7 @@ _STATUS: tuple[tuple[type[Exception], int], ...] = (
     (SwapInProgress, 409),
     (HandlerError, 503),
 )
+_CODES = {QueueFull: ENGINE_FULL}  # the error body's "code" where it is a name
 RETRY_STATUSES = (429, 503)  # answers that carry Retry-After
 
 
@@ -23,7 +24,7 @@ def as_request_error(err: Exception) -> RequestError:
         return err
     for kind, status in _STATUS:
         if isinstance(err, kind):
-            return RequestError(str(err), status=status)
+            return RequestError(str(err), status=status, code=_CODES.get(kind))
     raise TypeError(f"no HTTP status for {type(err).__name__}") from err
 
 

@@ -1,8 +1,17 @@
-"""The engine server's Prometheus metrics (one registry per server)."""
+"""The engine server's Prometheus metrics (one registry per server).
+
+Load is exported twice: under the engine's own names (`qwen3_tts_slots`, ...) and under the
+names vLLM exports and llm-d's endpoint picker reads (`vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`), so a router scores this engine as it
+scores a vLLM pod (docs/fleet.md). This engine's KV budget is its batch slots, so its
+"KV-cache usage" is batch-slot utilisation: running streams / real-time slots.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from qwen3_tts_engine.protocol import LOAD_STATES, LoadReport
 
 
 class Metrics:
@@ -50,6 +59,31 @@ class Metrics:
         self.footprint = Gauge("qwen3_tts_variant_footprint_bytes",
                                "Worker memory per variant (measured or estimated)", ["variant"],
                                registry=r)  # fmt: skip
+        self.batch_step = Histogram(
+            "qwen3_tts_batch_step_seconds", "One batch step (a frame for every stream in it), by "
+            "streams in the step", ["variant", "streams"],
+            buckets=(0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.4, 1, 2.5), registry=r)  # fmt: skip
+        # Load (GET /load): the engine's names, then vLLM's (llm-d's scorers read these).
+        m = ["model_name"]
+        self.running = Gauge("qwen3_tts_requests_running", "Streams admitted and not finished", m,
+                             registry=r)  # fmt: skip
+        self.waiting = Gauge("qwen3_tts_requests_waiting", "Requests queued for a slot", m, registry=r)
+        self.max_batch = Gauge("qwen3_tts_max_batch", "Configured batch rows", m, registry=r)
+        self.slots = Gauge("qwen3_tts_slots", "Streams kept in real time now (measured step time "
+                           "vs the frame budget)", m, registry=r)  # fmt: skip
+        self.free_slots = Gauge("qwen3_tts_free_slots", "Slots neither running nor promised to a "
+                                "waiting request (0 unless serving)", m, registry=r)  # fmt: skip
+        self.accepting = Gauge("qwen3_tts_accepting", "1 while new requests are taken", m, registry=r)
+        self.state = Gauge("qwen3_tts_state", "1 for the engine's state", [*m, "state"], registry=r)
+        self.underruns = Counter("qwen3_tts_underruns", "Chunks made after the moment their "
+                                 "listener needed them", m, registry=r)  # fmt: skip
+        self.vllm_running = Gauge("vllm:num_requests_running", "Requests running (vLLM's name: "
+                                  "streams in the batch)", m, registry=r)  # fmt: skip
+        self.vllm_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting (vLLM's name: "
+                                  "queued for a slot)", m, registry=r)  # fmt: skip
+        self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage 0..1 (vLLM's name; "
+                                   "here batch-slot utilisation: running / slots)", m, registry=r)  # fmt: skip
+        self._underruns_seen: dict[str, int] = {}
 
     def observe_batching(self, variant: str, in_flight: int, stats: dict) -> None:
         self.active_streams.labels(variant).set(in_flight)
@@ -61,3 +95,24 @@ class Metrics:
         if "kv_bytes" in stats:
             self.kv_bytes.labels(variant, "all").set(stats["kv_bytes"])
             self.kv_bytes.labels(variant, "per_stream").set(stats["kv_bytes_per_stream"])
+
+    def observe_steps(self, variant: str, steps: list[tuple[int, float]]) -> None:
+        for streams, seconds in steps:
+            self.batch_step.labels(variant, str(streams)).observe(seconds)
+
+    def observe_load(self, model: str, load: LoadReport) -> None:
+        self.running.labels(model).set(load.running)
+        self.waiting.labels(model).set(load.waiting)
+        self.max_batch.labels(model).set(load.max_batch)
+        self.slots.labels(model).set(load.slots)
+        self.free_slots.labels(model).set(load.free_slots)
+        self.accepting.labels(model).set(1 if load.accepting else 0)
+        for state in LOAD_STATES:
+            self.state.labels(model, state).set(1 if state == load.state else 0)
+        seen = self._underruns_seen.get(model, 0)
+        if load.underruns > seen:
+            self.underruns.labels(model).inc(load.underruns - seen)
+        self._underruns_seen[model] = max(seen, load.underruns)
+        self.vllm_running.labels(model).set(load.running)
+        self.vllm_waiting.labels(model).set(load.waiting)
+        self.vllm_kv_usage.labels(model).set(min(1.0, load.running / load.slots) if load.slots else 0.0)

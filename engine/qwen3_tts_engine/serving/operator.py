@@ -1,5 +1,6 @@
-"""The operator's endpoints of an `EngineServer`: liveness and readiness for load balancers,
-the model card, the engine's status, the variant override, and Prometheus metrics."""
+"""The operator's endpoints of an `EngineServer`: liveness, readiness and load for load
+balancers and routers, the model card, the engine's status, the variant override, and
+Prometheus metrics (docs/fleet.md: what a router reads)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from qwen3_tts_engine.governor.governor import SwapRecord
 from qwen3_tts_engine.models.footprint import breakdown
 from qwen3_tts_engine.protocol import (
+    SPEECH_STREAM_PATH,
     EngineStatus,
     HandlerStatus,
+    LoadReport,
     ModelCard,
     ReadyStatus,
     RequestError,
@@ -37,6 +40,7 @@ class OperatorRoutes:
         return [
             web.get("/health", self.health),
             web.get("/ready", self.ready),
+            web.get("/load", self.load),
             web.get("/v1/models", self.models),
             web.get("/v1/engine/status", self.status),
             web.post("/v1/engine/variant", self.set_variant),
@@ -54,6 +58,16 @@ class OperatorRoutes:
                            variant=h.variant, state=h.state, queue_depth=h.queue_depth,
                            swapping=self.server.governor is not None and self.server.governor.swapping is not None)
         return web.json_response(body.to_json(), status=200 if body.ready else 503)
+
+    def load_report(self) -> LoadReport:
+        g = self.server.governor
+        return self.server.engine.load(swapping=g is not None and g.swapping is not None,
+                                       started=g is None or g.started)  # fmt: skip
+
+    async def load(self, request: web.Request) -> web.Response:
+        """Running and waiting streams, real-time slots and state: no auth (as /ready), no
+        worker round trip (routers and the plugin poll it)."""
+        return web.json_response(self.load_report().to_json())
 
     async def models(self, request: web.Request) -> web.Response:
         if not self.server.authorized(request):
@@ -85,7 +99,9 @@ class OperatorRoutes:
         governor = await self.server.governor.status() if self.server.governor is not None else None
         status = EngineStatus(model=self.server.engine.model, active_variant=self.server.engine.active.variant,
                               serving=self.server.engine.serving, waiting_for_swap=self.server.engine.gap_waiting,
-                              handlers=handlers, governor=governor)  # fmt: skip
+                              handlers=handlers, governor=governor, streaming_text=True,
+                              streaming_text_route=SPEECH_STREAM_PATH,
+                              capacity=self.load_report().to_json())  # fmt: skip
         return web.json_response(status.to_json())
 
     async def set_variant(self, request: web.Request) -> web.Response:
@@ -138,6 +154,9 @@ class OperatorRoutes:
             for kind, value in (await h.memory()).items():
                 m.worker_memory.labels(str(h.variant), kind.removesuffix("_bytes")).set(value)
             m.observe_batching(str(h.variant), h.in_flight, h.batching)
+        m.observe_load(self.server.engine.model, self.load_report())
+        for h in handlers:
+            m.observe_steps(str(h.variant), h.take_step_samples())
         if self.server.governor is not None:
             g = self.server.governor
             if g.reading is not None:

@@ -101,6 +101,7 @@ class SpeechRoutes:
             raise RequestError("request body is not valid JSON") from None
         req = parse_speech_request(body, self.server.config.limits)
         req.voice = self._voice(req.voice)
+        req.text_pace = req.text_pace or self.server.config.text_pace
         self.server.engine.validate(req)
         ref = resolve_ref_audio(req.ref_audio, self.server.config.ref_audio_dir,
                                 self.server.config.limits.max_ref_audio_bytes)  # fmt: skip

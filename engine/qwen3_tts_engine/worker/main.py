@@ -26,7 +26,7 @@ from qwen3_tts_engine import messages as msg
 from qwen3_tts_engine.audio import pcm16
 from qwen3_tts_engine.models.variants import resolve
 from qwen3_tts_engine.priority import renice
-from qwen3_tts_engine.protocol import RequestError, SpeechRequest
+from qwen3_tts_engine.protocol import FRAME_RATE, RequestError, SpeechRequest
 from qwen3_tts_engine.worker.loading import describe, load, quantized_modules, release_freed_memory
 from qwen3_tts_engine.worker.measure import kv_bytes_per_frame, model_bytes, process_memory
 from qwen3_tts_engine.worker.scheduler import Scheduler
@@ -34,6 +34,7 @@ from qwen3_tts_engine.worker.synthesis import stream_chunks
 
 WARMUP_TEXT = "Hello, this is a warm-up."
 REPORT_EVERY_S = 1.0  # how often a busy worker sends its batching stats
+STEPS_EVERY_S = 0.25  # how often it sends its step times (admission reads them: capacity.py)
 
 
 def _load_ref_audio(data: bytes) -> mx.array:
@@ -53,6 +54,29 @@ class _Live:
         self.taken = 0
         self.compute: list[float] = []
         self.peak_batch = 0
+        self.tokens = 0  # streamed text: committed tokens last reported
+        # the listener's playback, on this process's clock: it starts at the first chunk and
+        # needs each next chunk when the audio sent before it has played
+        self.first_audio: float | None = None
+        self.audio_s = 0.0
+        self.held = False  # paused by flow control since the last chunk (the consumer's doing)
+        self.underruns = 0
+        self.resumed = 0  # chunks after a hold: their playback restarts, they cannot be late
+        self.text_waits = 0  # the stream's waits for streamed text seen so far (a wait is a hold)
+
+    def chunk_made(self, now: float, frames: int) -> bool:
+        """Account a chunk made at `now`; True when it came after the listener needed it. After
+        the consumer held the stream back, its playback is taken to resume from here."""
+        if self.first_audio is None or self.held:
+            self.resumed += self.held
+            self.first_audio = now - self.audio_s
+            late = False
+        else:
+            late = now > self.first_audio + self.audio_s
+        self.held = False
+        self.audio_s += frames / FRAME_RATE
+        self.underruns += late
+        return late
 
 
 def _done_stats(stream, live: _Live) -> dict:
@@ -61,7 +85,10 @@ def _done_stats(stream, live: _Live) -> dict:
         "frames": stats.frames, "sentences": stats.sentences, "cancelled": stats.cancelled,
         "hit_token_cap": stats.hit_token_cap, "chunk_frames": stats.chunk_frames,
         "chunk_compute_s": live.compute, "synthesis_s": time.perf_counter() - live.t0,
-        "peak_batch": live.peak_batch,
+        "peak_batch": live.peak_batch, "underruns": live.underruns,
+        "resumed_chunks": live.resumed,
+        "text_mode": stats.text_mode,
+        "text_tokens": stats.text_tokens, "text_waits": stats.text_waits,
     }  # fmt: skip
 
 
@@ -81,25 +108,33 @@ def batching_stats(scheduler, active: int) -> dict:
         "kv_bytes": scheduler.kv_bytes(),
         "kv_bytes_per_stream": scheduler.kv_bytes() // max(1, len(scheduler.rows)),
         "steps": len(sizes),
+        # streamed text: rows that left the batch to wait for their next token, and came back
+        "text_waits": scheduler.text_waits,
+        "text_resumes": scheduler.text_resumes,
     }
 
 
 class _Server:
     """The worker's loop: requests join the scheduler between steps; chunks go out as made."""
 
-    def __init__(self, model, conn: Connection, max_batch: int) -> None:
+    def __init__(self, model, conn: Connection, max_batch: int, step_delay_s: float = 0.0) -> None:
         self.model = model
         self.conn = conn
-        self.scheduler = Scheduler(model, max_batch=max_batch)
+        self.step_delay_s = step_delay_s
+        self.scheduler = Scheduler(model, max_batch=max_batch, step_delay_s=step_delay_s)
         self.live: dict[str, _Live] = {}
         self.stop_requested = False
         self.last_report = 0.0
+        self.last_steps = 0.0
+        self.underruns = 0  # not yet reported
 
     def _handle(self, m: msg.ToWorker) -> None:
         if isinstance(m, msg.Synthesize):
             self._admit(m)
         elif isinstance(m, msg.Cancel):
             self.scheduler.cancel(m.id)
+        elif isinstance(m, msg.AppendText | msg.EndText):
+            self._text(m)
         elif isinstance(m, msg.Taken):
             if (live := self.live.get(m.id)) is not None:
                 live.taken = max(live.taken, m.count)
@@ -110,6 +145,20 @@ class _Server:
         elif isinstance(m, msg.QueryMemory):
             self.conn.send(msg.MemoryReport(process_memory()))
         # a Cancel or Taken for a request that already finished is dropped
+
+    def _text(self, m: msg.AppendText | msg.EndText) -> None:
+        """Streamed text for a running synthesis; its committed token count goes back when it
+        grows (the server's `input_text.ack`)."""
+        live = self.live.get(m.id)
+        if live is None:
+            return  # it finished (or failed) meanwhile
+        if isinstance(m, msg.AppendText):
+            tokens = self.scheduler.append_text(m.id, m.text)
+        else:
+            tokens = self.scheduler.end_text(m.id)
+        if tokens is not None and tokens != live.tokens:
+            live.tokens = tokens
+            self.conn.send(msg.TextCommitted(m.id, tokens))
 
     def _admit(self, m: msg.Synthesize) -> None:
         try:
@@ -122,6 +171,7 @@ class _Server:
 
     def _send_events(self, events) -> None:
         batch = len(self.scheduler.rows)
+        now = time.perf_counter()
         for live in self.live.values():
             live.peak_batch = max(live.peak_batch, batch)
         for ev in events:
@@ -134,8 +184,12 @@ class _Server:
                 self.conn.send(msg.Chunk(req_id, pcm16(chunk.audio), chunk.frames, chunk.compute_s))
                 live.compute.append(round(chunk.compute_s, 4))
                 live.sent += 1
+                if ev.stream.stats.text_waits != live.text_waits:  # it waited for streamed text:
+                    live.text_waits, live.held = ev.stream.stats.text_waits, True  # not late
+                self.underruns += live.chunk_made(now, chunk.frames)
                 if live.sent - live.taken >= msg.MAX_UNTAKEN:
                     self.scheduler.set_paused(req_id, True)
+                    live.held = True
             elif ev.kind == "done":
                 del self.live[req_id]
                 self.conn.send(msg.Done(req_id, _done_stats(ev.stream, live)))
@@ -153,6 +207,11 @@ class _Server:
         if force or now - self.last_report >= REPORT_EVERY_S:
             self.last_report = now
             self.conn.send(msg.BatchingReport(batching_stats(self.scheduler, len(self.live))))
+        if self.scheduler.step_log and (force or now - self.last_steps >= STEPS_EVERY_S):
+            self.last_steps = now
+            self.conn.send(msg.StepTimes(tuple(self.scheduler.step_log), self.underruns))
+            self.scheduler.step_log.clear()
+            self.underruns = 0
 
     def run(self) -> None:
         while True:
@@ -170,7 +229,8 @@ class _Server:
             except Exception as e:  # the whole batch failed: end its streams, keep serving
                 traceback.print_exc()
                 self._fail_all(f"{type(e).__name__}: {e}")
-                self.scheduler = Scheduler(self.model, max_batch=self.scheduler.max_batch)
+                self.scheduler = Scheduler(self.model, max_batch=self.scheduler.max_batch,
+                                           step_delay_s=self.step_delay_s)  # fmt: skip
                 continue
             self._send_events(events)
             self._report()
@@ -245,6 +305,6 @@ def worker_main(conn: Connection, spec: msg.WorkerSpec | None) -> None:
         conn.send(msg.LoadFailed(f"{type(e).__name__}: {e}"))
         return
     try:
-        _Server(model, conn, spec.max_batch).run()
+        _Server(model, conn, spec.max_batch, spec.step_delay_s).run()
     except (BrokenPipeError, EOFError, ConnectionResetError):
         return  # the parent went away

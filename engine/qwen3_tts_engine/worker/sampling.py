@@ -134,3 +134,13 @@ def presence_mask(histories: list[list[int]], vocab: int) -> mx.array | None:
         recent = [t for t in tokens[-REPETITION_CONTEXT:] if t < vocab]
         mask[row, recent] = True
     return mx.array(mask)
+
+
+def eos_suppression(suppress: mx.array, eos: int, allowed: list[bool]) -> mx.array:
+    """The ids each row may not sample: `suppress` [vocab] for every row, and the codec EOS for
+    rows that may not end yet ([B, vocab]; `suppress` itself when every row may)."""
+    if all(allowed):
+        return suppress
+    block = np.zeros((len(allowed), suppress.shape[0]), np.bool_)
+    block[[i for i, ok in enumerate(allowed) if not ok], eos] = True
+    return suppress[None, :] | mx.array(block)

@@ -11,6 +11,12 @@ sentence and its next sentence joins as a new prefill, into the same vocoder str
 keep 4 frames across sentences. A stream whose consumer is behind is paused: its cache row is
 taken out of the batch and merged back when it resumes.
 
+A stream's text side is its `TextTrack` (`text_track.py`): the "prompt" layout, or dual-track
+with one text token per frame. Text streamed in (`append_text`, `end_text`) starts once the
+start threshold's worth of tokens is committed; a stream whose next token has not arrived
+leaves the batch as a paused one does (its frame's codec embeddings kept) and rejoins when the
+token comes, with the pending frames flushed so its audio catches up with its text.
+
 Runs in the handler's worker process, on its main thread (mlx).
 """
 
@@ -27,20 +33,24 @@ from mlx_lm.models.cache import BatchKVCache
 
 from qwen3_tts_engine.protocol import (
     CHUNK_FRAMES,
+    DEFAULT_TEXT_START_TOKENS,
+    Limits,
     SpeechRequest,
     default_max_new_tokens,
 )
-from qwen3_tts_engine.rules import ModelInfo, Voice, check_request
+from qwen3_tts_engine.rules import ModelInfo, Voice, check_request, text_mode_for
 from qwen3_tts_engine.sentences import split_input
 from qwen3_tts_engine.worker.blas_threads import blas_threads, threads_for
+from qwen3_tts_engine.worker.incremental_text import IncrementalText
 from qwen3_tts_engine.worker.loading import describe
-from qwen3_tts_engine.worker.prompts import build_prompt
 from qwen3_tts_engine.worker.sampling import (
     BatchSampler,
     SamplingParams,
+    eos_suppression,
     frame_uniforms,
     presence_mask,
 )
+from qwen3_tts_engine.worker.text_track import WAIT, TextTrack
 from qwen3_tts_engine.worker.vocoder import decode_steps, new_stream
 
 
@@ -59,6 +69,9 @@ class SynthesisStats:
     hit_token_cap: bool = False
     cancelled: bool = False
     chunk_frames: list[int] = field(default_factory=list)
+    text_mode: str = "prompt"
+    text_tokens: int = 0  # text tokens fed (dual-track)
+    text_waits: int = 0  # times the stream left the batch to wait for streamed text
 
 
 @dataclass
@@ -88,9 +101,11 @@ class Stream:
     step: int = 0
     max_frames: int = 0
     history: list[int] = field(default_factory=list)
-    trailing: mx.array | None = None
-    pad_embed: mx.array | None = None
+    mode: str = "prompt"  # the text layout (`protocol.TEXT_MODES`)
+    feed: IncrementalText | None = None  # streamed text, tokenized as it comes
+    text: TextTrack | None = None  # the sentence's text side
     next_embed: mx.array | None = None  # the talker's next input [1, 1, H]
+    codec_next: mx.array | None = None  # its codec part while the text token is awaited
     parked: list | None = None  # its KV cache while out of the batch (paused)
     prefill: mx.array | None = None  # a new sentence's prompt embeddings [1, L, H]
     # chunking
@@ -99,8 +114,23 @@ class Stream:
     vocoder: object | None = None
     chunk_started: float = field(default_factory=time.perf_counter)
     paused: bool = False
+    waiting_text: bool = False  # out of the batch until its next text token arrives
     cancelled: bool = False
     finished: bool = False
+
+    @property
+    def idle(self) -> bool:
+        """Nothing to compute until something arrives (the consumer, or text)."""
+        if self.cancelled:
+            return False
+        if self.paused or self.waiting_text:
+            return True
+        return self.text is None and self.feed is not None and not self._can_start()
+
+    def _can_start(self) -> bool:
+        return self.feed.ended or len(self.feed.ids) >= (
+            self.req.text_start_tokens or DEFAULT_TEXT_START_TOKENS
+        )
 
 
 def _new_key(seed: int | None) -> mx.array:
@@ -112,12 +142,13 @@ def _new_key(seed: int | None) -> mx.array:
 class Scheduler:
     """Streams of one model, advanced together one frame per `step()`."""
 
-    def __init__(self, model, *, max_batch: int = 8) -> None:
+    def __init__(self, model, *, max_batch: int = 8, step_delay_s: float = 0.0) -> None:
         if model.speech_tokenizer is None or model.tokenizer is None:
             raise RuntimeError("the checkpoint's tokenizer or speech tokenizer failed to load")
         self.model = model
         self.info = ModelInfo.from_info(describe(model))
         self.max_batch = max_batch
+        self.step_delay_s = step_delay_s  # fault injection: sleep per stream per step (messages.py)
         self.talker = model.talker
         config = model.config.talker_config
         self.eos = config.codec_eos_token_id
@@ -137,6 +168,12 @@ class Scheduler:
         self.step_s: deque[float] = deque(maxlen=1024)
         self.codes_s: deque[float] = deque(maxlen=1024)
         self.batch_sizes: deque[int] = deque(maxlen=1024)
+        # (rows, seconds) of each step not yet reported to the server (capacity, worker/main.py)
+        self.step_log: list[tuple[int, float]] = []
+        # streamed text: rows that left the batch to wait for it, and came back
+        self.text_waits = 0
+        self.text_resumes = 0
+        self.limits_frames = Limits().max_new_tokens  # the cap of a stream whose text is open
 
     # -- streams -------------------------------------------------------------------------------
 
@@ -146,6 +183,7 @@ class Scheduler:
         """Admit a request (it starts at the next step); RequestError when it cannot be served.
         `split=False` prefills the whole input at once instead of sentence by sentence."""
         voice = check_request(req, self.info, ref_audio=ref_audio is not None)
+        mode = text_mode_for(req, self.info)
         options = self.model._resolve_generation_options(
             req.temperature, None, req.top_k, req.top_p, req.repetition_penalty
         )
@@ -153,13 +191,52 @@ class Scheduler:
         if ref_audio is not None and req.ref_text:
             penalty = max(penalty, 1.5)  # as mlx-audio's ICL path: long prefills degenerate
         params = SamplingParams(options["temperature"], options["top_k"], options["top_p"], penalty)
+        # Sentence by sentence in the "prompt" layout (the prompt holds a sentence: first audio
+        # does not wait for the rest); dual-track takes the text one token per frame anyway.
+        sentences = split_input(req.input) if split and mode == "prompt" and not req.text_stream else [req.input]
         stream = Stream(stream_id, req, voice, ref_audio, params, _new_key(req.seed),
                         keep_codes=keep_codes, decode=decode,
                         stats=stats if stats is not None else SynthesisStats(),
-                        sentences=split_input(req.input) if split else [req.input],
+                        sentences=sentences, mode=mode,
                         target=req.first_chunk_frames or CHUNK_FRAMES)  # fmt: skip
+        stream.stats.text_mode = mode
+        if req.text_stream:
+            stream.feed = IncrementalText(self.model.tokenizer)
+            if req.input:
+                stream.feed.append(req.input)
         self.streams[stream_id] = stream
         return stream
+
+    def append_text(self, stream_id: str, text: str) -> int | None:
+        """More of a streamed text; the text tokens committed so far (None: no such stream)."""
+        s = self.streams.get(stream_id)
+        if s is None or s.feed is None or s.feed.ended:
+            return None
+        count = s.text.append(text) if s.text is not None else len(s.feed.append(text))
+        self._text_arrived(s)
+        return count if s.text is not None else len(s.feed.ids)
+
+    def end_text(self, stream_id: str) -> int | None:
+        """A streamed text is complete; the text tokens committed (None: no such stream)."""
+        s = self.streams.get(stream_id)
+        if s is None or s.feed is None:
+            return None
+        if s.text is not None:
+            s.text.end()
+        else:
+            s.feed.end()
+        self._text_arrived(s)
+        return len(s.feed.ids)
+
+    def _text_arrived(self, s: Stream) -> None:
+        if s.text is not None and s.text.ended:  # its length is known now
+            s.max_frames = s.req.max_new_tokens or default_max_new_tokens(s.feed.chars)
+        if s.waiting_text and s.text is not None:
+            term = s.text.term(s.step - 1)
+            if term is not WAIT:  # its token came: it rejoins the batch at the next step
+                s.next_embed, s.codec_next, s.waiting_text = s.codec_next + term, None, False
+                self.text_resumes += 1
+                s.chunk_started = time.perf_counter()  # waiting is not compute
 
     def cancel(self, stream_id: str) -> None:
         if (stream := self.streams.get(stream_id)) is not None:
@@ -173,8 +250,9 @@ class Scheduler:
 
     @property
     def runnable(self) -> bool:
-        """True when a step would do work (some stream is neither paused nor finished)."""
-        return any(not s.paused or s.cancelled for s in self.streams.values())
+        """True when a step would do work (some stream is neither paused, nor waiting for
+        text, nor finished)."""
+        return any(not s.idle for s in self.streams.values())
 
     def kv_bytes(self) -> int:
         if self.cache is None:
@@ -194,16 +272,15 @@ class Scheduler:
             return events
         with blas_threads(self.step_threads):
             logits, hidden = self._talker_step(joining)
-            codes, next_embeds, is_eos = self._codes(rows, logits, hidden)
-            mx.eval(codes, next_embeds, is_eos, *(s.key for s in rows))
+            codes, codec_embeds, is_eos = self._codes(rows, logits, hidden)
+            mx.eval(codes, codec_embeds, is_eos, *(s.key for s in rows))
         self.rows = rows
         self.codes_s.append(time.perf_counter() - t0)
         self.batch_sizes.append(len(rows))
         codes_np = np.array(codes)
         eos_np = np.array(is_eos)
-        leaving = []
+        leaving, waiting = [], []
         for i, s in enumerate(rows):
-            s.next_embed = next_embeds[i : i + 1]
             if eos_np[i]:
                 leaving.append(i)
                 continue
@@ -214,12 +291,28 @@ class Scheduler:
             if s.step >= s.max_frames:
                 s.stats.hit_token_cap = True
                 leaving.append(i)
+                continue
+            term = s.text.term(s.step - 1)
+            if term is WAIT:  # its next text token has not arrived: it waits out of the batch
+                s.codec_next, s.waiting_text = codec_embeds[i : i + 1], True
+                s.stats.text_waits += 1
+                self.text_waits += 1
+                waiting.append(i)
+            else:
+                s.next_embed = codec_embeds[i : i + 1] + term
+        for i in waiting:
+            rows[i].parked = [c.extract(i) for c in self.cache]
         for i in leaving:
             self._end_sentence(rows[i])
-        if leaving:
-            self._filter([i for i in range(len(rows)) if i not in set(leaving)])
+        if leaving or waiting:
+            gone = set(leaving) | set(waiting)
+            self._filter([i for i in range(len(rows)) if i not in gone])
         self._flush(events)
-        self.step_s.append(time.perf_counter() - t0)
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s * len(rows))
+        seconds = time.perf_counter() - t0
+        self.step_s.append(seconds)
+        self.step_log.append((len(rows), seconds))
         return events
 
     def _drop_rows(self, events: list[Event]) -> None:
@@ -243,8 +336,10 @@ class Scheduler:
         joining: list[Stream] = []
         in_batch = {id(s) for s in self.rows}
         for s in list(self.streams.values()):
-            if s.paused or s.finished or id(s) in in_batch:
+            if s.paused or s.waiting_text or s.finished or id(s) in in_batch:
                 continue
+            if s.feed is not None and s.text is None and not s._can_start():
+                continue  # streamed text: not enough of it yet
             if len(self.rows) + len(joining) >= self.max_batch:
                 break
             if s.parked is not None:  # resuming: its cache goes back in, it decodes with the rest
@@ -271,15 +366,18 @@ class Scheduler:
         s.stats.sentences += 1
         text = s.sentences[s.sentence]
         s.step, s.history = 0, []
-        s.max_frames = s.req.max_new_tokens or default_max_new_tokens(text)
+        s.text = TextTrack(self.model, s.req, s.mode, text=None if s.feed else text, feed=s.feed)
+        if s.feed is None or s.feed.ended:
+            cap = default_max_new_tokens(s.feed.chars if s.feed else text)
+        else:
+            cap = self.limits_frames  # open text: its length is not known yet
+        s.max_frames = s.req.max_new_tokens or cap
         s.prefill = None
         return True
 
     def _prompt(self, s: Stream) -> None:
         """The prompt of the stream's sentence (prefilled at the step it joins)."""
-        s.prefill, s.trailing, s.pad_embed = build_prompt(
-            self.model, s.sentences[s.sentence], s.req, s.voice, s.ref_audio
-        )
+        s.prefill = s.text.prompt(s.voice, s.ref_audio)
 
     def _talker_step(self, joining: list[Stream]) -> tuple[mx.array, mx.array]:
         """Logits [B, V] and hidden states [B, 1, H] of every row: the running rows decode one
@@ -335,8 +433,10 @@ class Scheduler:
         presence = presence_mask(
             [s.history if s.params.repetition_penalty != 1.0 else [] for s in rows], self.vocab
         )
+        suppress = eos_suppression(self.suppress, self.eos,
+                                   [s.text.eos_allowed(s.step) for s in rows])  # fmt: skip
         token = BatchSampler(params, self.vocab).sample(
-            logits, uniforms[:, 0], suppress=self.suppress, presence=presence
+            logits, uniforms[:, 0], suppress=suppress, presence=presence
         )
         code_sampler = BatchSampler(params, self.code_vocab)
         embed_codec = talker.get_input_embeddings()
@@ -351,11 +451,7 @@ class Scheduler:
         codec_embed = embed_codec(token)
         for i, code in enumerate(codes[1:]):
             codec_embed = codec_embed + predictor.codec_embedding[i](code)
-        text_embed = mx.concatenate([
-            s.trailing[:, s.step : s.step + 1, :] if s.step < s.trailing.shape[1] else s.pad_embed
-            for s in rows
-        ], axis=0)  # fmt: skip
-        return mx.concatenate(codes, axis=1), text_embed + codec_embed, token[:, 0] == self.eos
+        return mx.concatenate(codes, axis=1), codec_embed, token[:, 0] == self.eos
 
     # -- rows, sentences and chunks ------------------------------------------------------------
 
@@ -385,8 +481,9 @@ class Scheduler:
 
     def _flush(self, events: list[Event]) -> None:
         """Decode the chunks that are complete (all at once where the vocoder allows)."""
+        # a stream that waits for text sends what it has (its audio catches up with its text)
         ready = [s for s in self.streams.values()
-                 if s.pending and (len(s.pending) >= s.target or s.finished)]  # fmt: skip
+                 if s.pending and (len(s.pending) >= s.target or s.finished or s.waiting_text)]  # fmt: skip
         decoding = [s for s in ready if s.decode]
         audio: dict[int, mx.array] = {}
         if decoding:
@@ -413,6 +510,8 @@ class Scheduler:
     def _finish(self, s: Stream, events: list[Event]) -> None:
         self.streams.pop(s.id, None)
         s.finished = True
+        if s.text is not None:
+            s.stats.text_tokens = len(s.text.fed_ids)
         events.append(Event(s, "done"))
 
     def _fail(self, s: Stream, error: Exception, events: list[Event]) -> None:

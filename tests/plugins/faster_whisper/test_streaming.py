@@ -356,6 +356,8 @@ async def test_the_stream_ends_an_utterance_heard_in_full_after_its_silence(stre
         run = runs[after] = Run(stt.stream(conn_options=UNHURRIED))
         await run.push_paced(frames)
         await wait_until(lambda run=run: run.idle, "the stream to be idle")
+        if after is not None:  # ended by itself: its usage, the utterance's last event, was read
+            await wait_until(lambda run=run: Kind.RECOGNITION_USAGE in run.kinds(), "the utterance's end")
         run.flush()
         await run.finish()
     ended, flushed = runs[0.3], runs[None]

@@ -210,8 +210,13 @@ async def test_first_request_options():
     tts = qwen3_tts.TTS(base_url="http://127.0.0.1:9")
     try:
         opts = tts._opts
-        assert (opts.first_clause_min_words, opts.first_clause_chunk_frames) == (3, None)
-        assert [opts.for_request(i).first_chunk_frames for i in range(3)] == [4, 4, 4]
+        # by default a reply's first request asks for a 2-frame first chunk (bench first-chunk)
+        assert (opts.first_clause_min_words, opts.first_clause_chunk_frames) == (3, 2)
+        assert [opts.for_request(i).first_chunk_frames for i in range(3)] == [2, 4, 4]
+        assert opts.stream_start(1)["first_chunk_frames"] == 2
+        tts.update_options(first_clause_chunk_frames=None)
+        assert [tts._opts.for_request(i).first_chunk_frames for i in range(3)] == [4, 4, 4]
+        assert tts._opts.stream_start(1)["first_chunk_frames"] == 4
         tts.update_options(first_clause_chunk_frames=2)
         opts = tts._opts
         assert [opts.for_request(i).first_chunk_frames for i in range(3)] == [2, 4, 4]
@@ -331,7 +336,8 @@ async def test_first_request_to_a_real_engine_is_the_first_clause(engine):
     # 8 frames a request (2 + 4 + 2 for the first): the order and the chunking are what is
     # tested, not long audio
     tts = qwen3_tts.TTS(base_url=url, voice="ryan", language="en", seed=11, http_client=client,
-                        first_clause_min_words=3, first_clause_chunk_frames=2, max_new_tokens=8)  # fmt: skip
+                        first_clause_min_words=3, first_clause_chunk_frames=2, max_new_tokens=8,
+                        text_input="sentences")  # fmt: skip
     before = len(handler.history)
     try:
         stream, audio, events = await asyncio.wait_for(

@@ -88,7 +88,10 @@ async def wire():
     async def make(model: str = "qwen3-tts") -> Wired:
         engine = await FaultEngine().start()
         proxy = await TcpProxy(engine.port).start()
-        tts = qwen3_tts.TTS(base_url=proxy.url, model=model, voice="ryan", language="en")
+        # FaultEngine speaks sentences over HTTP only; "auto" would first read its status through
+        # the faulty proxy, so a fault would hit that read instead of the speech request
+        tts = qwen3_tts.TTS(base_url=proxy.url, model=model, voice="ryan", language="en",
+                            text_input="sentences")  # fmt: skip
         made.append(Wired(engine, proxy, tts))
         return made[-1]
 

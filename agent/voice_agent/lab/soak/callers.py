@@ -115,7 +115,9 @@ class CallerLoop:
             self.lost_agent = None
         self.in_turn, self.turn_started = True, t_start
         try:
-            await asyncio.sleep(0.3)  # the agent's subscription to the microphone settles
+            # the agent hears the microphone once it subscribed to it (LiveKit tells the caller of
+            # the first subscription; a replacement agent has spoken its greeting by now, above)
+            await _until(lambda: call.mic_subscribed is not None, self.agent_wait)
             call.say(audio)
             if not await _until(lambda: call.speech_end is not None, 30):
                 return self._record(t_start, None, "failed", "mic_stalled", room=room, agent=identity, worker=worker)

@@ -15,7 +15,7 @@ HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive"
 
 class FaultProxy:
     """Passes every request through to `upstream` (streamed bodies included), or answers
-    500 while an outage lasts (`outage(seconds)`)."""
+    500 while an outage lasts (`outage(seconds)`, or until `end_outage()`)."""
 
     def __init__(self, upstream: str) -> None:
         self.upstream = upstream.rstrip("/")  # http://host:port (no path)
@@ -31,6 +31,9 @@ class FaultProxy:
 
     def outage(self, seconds: float) -> None:
         self.outage_until = time.monotonic() + seconds
+
+    def end_outage(self) -> None:
+        self.outage_until = 0.0
 
     @property
     def out(self) -> bool:

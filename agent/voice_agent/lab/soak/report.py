@@ -75,6 +75,13 @@ def lost_turns(fault: dict, turns: list[dict], run_end: float) -> dict:
             "causes": dict(Counter(t["cause"] for t in in_flight + later))}  # fmt: skip
 
 
+def struck_turns(fault: dict, turns: list[dict], slack: float = 0.001) -> int:
+    """Turns in flight as the fault struck (`t_strike`, else `t`): begun before it, ended after
+    it. 0: it struck an idle system. (`slack`: the turn log's times are rounded to ms.)"""
+    t = fault.get("t_strike", fault["t"])
+    return sum(x["t_start"] <= t + slack and x["t_done"] >= t - slack for x in turns)
+
+
 def unexplained_failures(turns: list[dict], faults: list[dict], run_end: float, slack: float = 5.0) -> list[dict]:
     """Failed turns that overlap no fault's window (widened by `slack` s): losses no fault caused."""
     windows = [fault_window(f, run_end) for f in faults]

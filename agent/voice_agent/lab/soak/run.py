@@ -2,13 +2,19 @@
 shared TTS engine while faults are injected on a schedule; a JSON report of what was lost and how
 soon each fault recovered, latency around each fault, RSS/open files over time, and what was left.
 
-Faults (each measured from the caller's side):
+Faults (each measured from the caller's side), each injected under load: once a caller is in
+the middle of a turn with an agent in its room (events: the callers' own state), and `t` taken in
+the same step, so that the turn log shows the turn in flight when it struck (`report.struck_turns`):
 - governor_swap: `POST /v1/engine/variant` (operator key) while a turn is in flight;
-- engine_worker_kill: SIGKILL of the engine's active handler worker while it synthesizes;
-- llm_outage: the proxy in front of the LLM answers 500 for `outage_s`;
-- agent_worker_kill: SIGKILL of the process group of the worker serving a call, mid-call (the call
-  keeper, in this process, gets it a new agent; the killed worker is started again afterwards);
-- livekit_restart: livekit-server stopped and started again on the same ports.
+- engine_worker_kill: SIGKILL of the engine's active handler worker while it synthesizes a reply
+  (mid-utterance: its queue not empty when a turn is in flight; the engine's count of requests
+  cut by the kill shows it struck one, or it is struck again, up to STRIKES times);
+- llm_outage: the proxy in front of the LLM answers 500 for `outage_s` (None: until the first
+  spoken apology, the short version);
+- livekit_restart: livekit-server stopped and started again on the same ports;
+- agent_worker_kill: SIGKILL of the process group of the worker serving a call, mid-turn (the call
+  keeper, in this process, gets it a new agent; the killed worker is started again afterwards, and
+  the next fault waits for it to register).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,12 +46,15 @@ from voice_agent.lab.soak.report import (
     latency_summary,
     lost_turns,
     rss_growth,
+    struck_turns,
     turn_totals,
     unexplained_failures,
 )
 from voice_agent.lab.soak.stack import API_KEY, API_SECRET, LADDER, OPERATOR_KEY, Stack
 
-FAULTS = ("governor_swap", "engine_worker_kill", "llm_outage", "agent_worker_kill", "livekit_restart")
+# agent_worker_kill last: its worker's restart (a minute on a loaded 2-core machine) overlaps
+# the short version's last turns instead of delaying the next fault
+FAULTS = ("governor_swap", "engine_worker_kill", "llm_outage", "livekit_restart", "agent_worker_kill")
 PHRASES = ("What time is it right now?", "Can you tell me the time please?", "Hello, what time is it?")
 TARGETS = {"agent_worker_kill": "the caller hears an agent again within 10 s",
            "engine_worker_kill": "the next sentence is spoken",
@@ -52,6 +62,8 @@ TARGETS = {"agent_worker_kill": "the caller hears an agent again within 10 s",
            "llm_outage": "every turn during the outage gets the spoken apology",
            "livekit_restart": "the workers re-register and new calls are answered"}  # fmt: skip
 AGENT_BACK_S = 10.0
+LOAD_WAIT_S = 120.0  # a hang guard: how long a fault waits for a call in the middle of a turn
+STRIKES = 3  # engine_worker_kill: kills until one cuts an utterance (a reply may end as it is killed)
 ANSWER = "Sure, it is noon."  # the LLM stand-in's every answer (not what the soak measures)
 MEMORY_GROWTH_PCT = 5.0
 
@@ -61,7 +73,7 @@ class Plan:
     minutes: float
     callers: int
     faults: tuple[str, ...]
-    outage_s: float = 30.0
+    outage_s: float | None = 30.0  # None: until the first spoken apology
     warmup_s: float = 60.0  # no fault before this
     tail_s: float = 120.0  # no fault after minutes*60 - this
     settle_s: float = 15.0  # at least this long between one fault's recovery and the next fault
@@ -69,22 +81,27 @@ class Plan:
     window_s: float = 60.0  # before/after windows of the latency phases
     sample_s: float = 5.0
     rss_warmup_s: float = 120.0  # a process's RSS counts from this long after its first sample
-    every_fault: bool = False  # inject every scheduled fault even past `minutes` (the short version)
+    # the short version: every scheduled fault, back to back, and the run ends once the last
+    # one has recovered and a turn was heard after it (`minutes` is then an upper bound only)
+    every_fault: bool = False
 
     @classmethod
     def of(cls, minutes: float, callers: int, faults: tuple[str, ...]) -> Plan:
-        if minutes <= 5:  # the short version: each fault once, close together (the first after a
+        if minutes <= 5:  # the short version: each fault once, back to back (the first after a
             # heard turn, each next one after the previous one recovered and a turn was heard since)
-            return cls(minutes, callers, faults, warmup_s=5.0, tail_s=20.0, settle_s=3.0, grace_s=150.0,
-                       window_s=30.0, sample_s=2.0, rss_warmup_s=30.0, every_fault=True)  # fmt: skip
+            return cls(minutes, callers, faults, outage_s=None, warmup_s=5.0, tail_s=20.0, settle_s=3.0,
+                       grace_s=150.0, window_s=30.0, sample_s=2.0, rss_warmup_s=30.0, every_fault=True)  # fmt: skip
         return cls(minutes, callers, faults)
 
     def schedule(self) -> list[tuple[float, str]]:
-        """(earliest run time, fault): the fault list once per 10 minutes, spread evenly."""
+        """(earliest run time, fault): the fault list once per 10 minutes, spread evenly (the
+        short version: all due after the warm-up, one after another)."""
         rounds = max(1, int(self.minutes // 10))
         seq = [f for _ in range(rounds) for f in self.faults]
         if not seq:
             return []
+        if self.every_fault:
+            return [(self.warmup_s, f) for f in seq]
         span = max(0.0, self.minutes * 60 - self.warmup_s - self.tail_s)
         return [(self.warmup_s + i * span / len(seq), f) for i, f in enumerate(seq)]
 
@@ -127,6 +144,7 @@ class Soak:
         self.skipped: list[str] = []
         self.lk: api.LiveKitAPI | None = None
         self.run_end = 0.0
+        self._restarts: set[asyncio.Task] = set()  # killed workers started again, until they register
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -184,6 +202,8 @@ class Soak:
                 await self._sleep_until(at)
                 if not self.faults:  # a turn before the first fault (a busy machine may need longer)
                     await self._until(lambda: self._heard_after(-1.0) is not None, 120)
+                if self._restarts:  # a killed worker is back (registered) before the next fault
+                    await asyncio.wait(self._restarts)
                 if self.faults:  # the previous fault recovered (or gave up) and a turn was heard since
                     last = self.faults[-1]
                     since = (last["t_recovered"] or self.clock()) + self.plan.settle_s
@@ -203,7 +223,8 @@ class Soak:
                     record["t"] = self.clock()
                 progress(f"t={self.clock():.0f}s: {name} recovered={record['recovered']} "
                          f"in {record['recover_s']}s {record.get('error', '')}")  # fmt: skip
-            await self._sleep_until(self.plan.minutes * 60)
+            if not self.plan.every_fault:
+                await self._sleep_until(self.plan.minutes * 60)
             if self.faults:  # the last fault gets turns after its recovery too
                 last_ok = self.faults[-1]["t_recovered"] or self.clock()
                 await self._until(lambda: self._heard_after(last_ok) is not None, 90, 1.0)
@@ -218,7 +239,9 @@ class Soak:
                 task.cancel()
             await asyncio.gather(*calls, return_exceptions=True)
             sampler.cancel()
-            await asyncio.gather(sampler, return_exceptions=True)
+            for task in self._restarts:  # a worker still starting: stopped with everything else
+                task.cancel()
+            await asyncio.gather(sampler, *self._restarts, return_exceptions=True)
 
     async def _sleep_until(self, t: float) -> None:
         await asyncio.sleep(max(0.0, t - self.clock()))
@@ -242,14 +265,25 @@ class Soak:
         await self._until(lambda: self._heard_after(t, outcomes) is not None, timeout)
         return self._heard_after(t, outcomes)
 
-    async def _in_flight(self, timeout: float) -> CallerLoop | None:
-        """A caller in the middle of a turn, with an agent in its room (waits up to `timeout`)."""
-        def busy() -> CallerLoop | None:
-            return next((c for c in self.callers if c.in_turn and c.call is not None
-                         and c.call.agent() is not None), None)  # fmt: skip
+    def _busy(self, also: Callable[[CallerLoop], bool] = lambda _c: True) -> CallerLoop | None:
+        """A caller in the middle of a turn, with an agent in its room (and `also` true of it)."""
+        return next((c for c in self.callers if c.in_turn and c.call is not None
+                     and c.call.agent() is not None and also(c)), None)  # fmt: skip
 
-        await self._until(lambda: busy() is not None, timeout, 0.1)
-        return busy()
+    async def _in_flight(self, timeout: float = LOAD_WAIT_S,
+                         also: Callable[[CallerLoop], bool] = lambda _c: True) -> CallerLoop | None:  # fmt: skip
+        """A caller in the middle of a turn, with an agent in its room (waits up to `timeout`).
+        The caller state is read in the step that returns: a fault injected (and its `t` taken)
+        before the next `await` strikes while that turn is in flight."""
+        await self._until(lambda: self._busy(also) is not None, timeout, 0.05)
+        return self._busy(also)
+
+    @staticmethod
+    def _struck(rec: dict, caller: CallerLoop | None) -> None:
+        """Note the turn in flight as the fault strikes (None: it struck an idle system)."""
+        rec["under_load"] = caller is not None
+        if caller is not None:
+            rec["struck_turn"] = {"caller": caller.index, "t_start": round(caller.turn_started, 3)}
 
     # -- faults -----------------------------------------------------------------------------------
 
@@ -257,7 +291,7 @@ class Soak:
         assert self.stack is not None
         status = await asyncio.to_thread(self.stack.engine_status)
         target = LADDER[1] if status["active_variant"] == LADDER[0] else LADDER[0]
-        rec["under_load"] = await self._in_flight(30) is not None
+        self._struck(rec, await self._in_flight())
         rec["t"] = t = self.clock()
         async with httpx.AsyncClient(timeout=300) as c:
             r = await c.post(f"{self.stack.engine_url}/v1/engine/variant", json={"variant": target},
@@ -279,43 +313,70 @@ class Soak:
         def active() -> dict:
             return next(h for h in stack.engine_status()["handlers"] if h["active"])
 
-        victim = await asyncio.to_thread(active)
-        deadline = time.monotonic() + 45
-        while victim["queue_depth"] == 0 and time.monotonic() < deadline:  # mid-utterance
-            await asyncio.sleep(0.1)
-            victim = await asyncio.to_thread(active)
-        rec["mid_utterance"] = victim["queue_depth"] > 0
-        rec.update(pid=victim["pid"], variant=victim["variant"])
-        os.kill(victim["pid"], signal.SIGKILL)
-        rec["t"] = t = self.clock()
+        def back_from(victim: dict) -> Callable[[], bool]:
+            def back() -> bool:
+                try:
+                    h = active()
+                except Exception:
+                    return False
+                return h["state"] == "ready" and h["pid"] not in (None, victim["pid"])
 
-        def back() -> bool:
-            try:
-                h = active()
-            except Exception:
-                return False
-            return h["state"] == "ready" and h["pid"] not in (None, victim["pid"])
+            return back
 
-        if await self._until(back, 180, 0.25):
-            rec["handler_back_s"] = round(self.clock() - t, 2)
-        turn = await self._wait_heard(t, 180)
+        rec["strikes"] = []
+        t_first = None
+        for _ in range(STRIKES):
+            cut_before = await asyncio.to_thread(stack.engine_requests_cut)
+            # mid-utterance: a caller in a turn while the engine's active handler has a request
+            deadline = time.monotonic() + LOAD_WAIT_S
+            while True:
+                victim = await asyncio.to_thread(active)
+                caller = self._busy()
+                if (caller is not None and victim["queue_depth"] > 0) or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)
+            os.kill(victim["pid"], signal.SIGKILL)  # in the step that read the state
+            self._struck(rec, caller)
+            rec["t_strike"] = t = self.clock()  # the strike that counts: the last one
+            rec["t"] = t_first = t if t_first is None else t_first  # the fault's window: from the first
+            rec.update(pid=victim["pid"], variant=victim["variant"])
+            if await self._until(back_from(victim), 180, 0.25):
+                rec["handler_back_s"] = round(self.clock() - t, 2)
+            # the engine counts the requests the dead worker left unfinished (HTTP 503, or a stream
+            # aborted): the kill struck an utterance only if there was one
+            cut = await asyncio.to_thread(stack.engine_requests_cut) - cut_before
+            rec["strikes"].append({"t": round(t, 2), "queue_depth": victim["queue_depth"], "requests_cut": cut})
+            rec["mid_utterance"] = cut > 0
+            if cut > 0 or caller is None:
+                break
+            progress(f"t={self.clock():.0f}s: engine_worker_kill cut no utterance (it ended as the kill came); "
+                     "again once a turn is heard")  # fmt: skip
+            await self._wait_heard(t, 180)
+        turn = await self._wait_heard(rec["t_strike"], 180)
         if turn is not None:
             heard = turn["t_speech_end"] + turn["voice_to_voice_s"]
-            rec.update(recovered=True, t_recovered=heard, recover_s=round(heard - t, 2), next_turn=turn["outcome"])
+            rec.update(recovered=True, t_recovered=heard, recover_s=round(heard - rec["t_strike"], 2),
+                       next_turn=turn["outcome"])  # fmt: skip
 
     async def _fault_llm_outage(self, rec: dict) -> None:
         assert self.proxy is not None
-        await self._in_flight(20)
         refused = self.proxy.refused
+        caller = await self._in_flight()
+        self.proxy.outage(self.plan.outage_s if self.plan.outage_s is not None else LOAD_WAIT_S)
+        self._struck(rec, caller)
         rec["t"] = t = self.clock()
-        self.proxy.outage(self.plan.outage_s)
-        await self._sleep_until(t + self.plan.outage_s)
+        if self.plan.outage_s is not None:
+            await self._sleep_until(t + self.plan.outage_s)
+        else:  # until a turn was refused and answered with the spoken apology (LOAD_WAIT_S at most)
+            await self._until(lambda: self.proxy.refused > refused and self._heard_after(t, ("apology",)) is not None,
+                              LOAD_WAIT_S, 0.1)  # fmt: skip
+            self.proxy.end_outage()
         t_end = self.clock()
         turn = await self._wait_heard(t_end, 120, ("answer",))
         await self._until(lambda: all(not c.in_turn or c.turn_started > t_end for c in self.callers), 60)
         during = [x for x in self.turns() if x["t_speech_end"] is not None and t <= x["t_speech_end"] <= t_end]
         outcomes = {o: sum(x["outcome"] == o for x in during) for o in ("apology", "answer", "failed")}
-        rec.update(outage_s=self.plan.outage_s, refused_requests=self.proxy.refused - refused,
+        rec.update(outage_s=round(t_end - t, 2), refused_requests=self.proxy.refused - refused,
                    turns_during=len(during), during=outcomes)  # fmt: skip
         if turn is not None:
             heard = turn["t_speech_end"] + turn["voice_to_voice_s"]
@@ -325,9 +386,17 @@ class Soak:
     async def _fault_agent_worker_kill(self, rec: dict) -> None:
         assert self.stack is not None and self.keeper is not None
         stack = self.stack
-        caller = await self._in_flight(45)
+        keeper = self.keeper
+
+        def beating(c: CallerLoop) -> bool:
+            """Mid-call: the agent's job beats on its heartbeat socket (a kill before its first
+            beat is the keeper's timeout case, not this one)."""
+            agent = c.call.agent() if c.call is not None else None
+            return agent is not None and (c.room_name, agent.identity) in keeper.sockets
+
+        caller = await self._in_flight(also=beating)
         if caller is None:
-            raise RuntimeError("no call with an agent to kill")
+            raise RuntimeError("no call in the middle of a turn, with an agent beating its heartbeat, to kill")
         caller.hold = True  # the caller stays on the call until its agent is back
         try:
             call, room = caller.call, caller.room_name
@@ -337,9 +406,10 @@ class Soak:
                 raise RuntimeError(f"the agent in {room} names no worker ({dict(agent.attributes)})")
             regs = stack.registrations(tag)
             rec.update(worker=tag, room=room, lost_agent=agent.identity)
+            self._struck(rec, caller)
+            rec["t"] = t = self.clock()
             t_mono = time.monotonic()
             await asyncio.to_thread(stack.kill_group, f"worker-{tag}")
-            rec["t"] = t = self.clock()
             joined: list[float] = []
 
             def back() -> bool:
@@ -361,15 +431,21 @@ class Soak:
                 rec["within_target"] = rec["recover_s"] <= AGENT_BACK_S
         finally:
             caller.hold = False
-        stack.start_worker(tag)  # the host comes back
-        if await self._until(lambda: stack.registrations(tag) > regs, 240, alive=lambda: stack.worker_alive(tag)):
-            rec["worker_restarted_s"] = round(self.clock() - t, 2)
+        stack.start_worker(tag)  # the host comes back: the next fault waits for its registration
+
+        async def registered() -> None:
+            if await self._until(lambda: stack.registrations(tag) > regs, 240, alive=lambda: stack.worker_alive(tag)):
+                rec["worker_restarted_s"] = round(self.clock() - t, 2)
+
+        task = asyncio.create_task(registered(), name=f"restart-worker-{tag}")
+        self._restarts.add(task)
+        task.add_done_callback(self._restarts.discard)
 
     async def _fault_livekit_restart(self, rec: dict) -> None:
         assert self.stack is not None
         stack = self.stack
-        await self._in_flight(20)
         regs = {tag: stack.registrations(tag) for tag in ("a", "b")}
+        self._struck(rec, await self._in_flight())
         rec["t"] = t = self.clock()
         await asyncio.to_thread(stack.stop_livekit)
         rec["down_s"] = round(self.clock() - t, 2)
@@ -405,6 +481,7 @@ class Soak:
         faults = []
         for f in self.faults:
             faults.append({**f, "target": TARGETS[f["name"]], "lost_turns": lost_turns(f, turns, end),
+                           "struck_turns": struck_turns(f, turns),
                            "phases": fault_phases(f, turns, end, plan.window_s)})  # fmt: skip
         unexplained = unexplained_failures(turns, self.faults, end)
         since, span = min(300.0, 0.3 * end), max(60.0, 0.5 * end)

@@ -117,6 +117,18 @@ class Stack:
         r.raise_for_status()
         return r.json()
 
+    def engine_requests_cut(self) -> int:
+        """Speech requests the engine could not finish for a reason of its own (its count, on
+        `/metrics`): HTTP 503 before any audio (a dead worker among the causes), or a stream
+        aborted after some."""
+        text = httpx.get(f"{self.engine_url}/metrics", timeout=30).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(("qwen3_tts_requests_total{status=\"503\"}",
+                                "qwen3_tts_requests_total{status=\"aborted\"}")):  # fmt: skip
+                total += float(line.rsplit(" ", 1)[1])
+        return int(total)
+
     # -- the workers ------------------------------------------------------------------------------
 
     def start_worker(self, tag: str) -> None:
@@ -187,7 +199,19 @@ class Stack:
         """Workers first (their jobs end), then the engine and the server; every group swept."""
         for role in sorted(self.procs, key=lambda r: (not r.startswith("worker"), r != "engine")):
             self._stop_group(role, grace=20.0 if role.startswith("worker") else 10.0)
+        # SIGKILL only starts an exit: a process that mapped GBs (the engine's fork server) takes
+        # a moment to unmap them, and counts as running until it has
+        self._wait_gone(timeout=15.0)
         self._sweep()
+        self._wait_gone(timeout=15.0)
+
+    def _wait_gone(self, timeout: float) -> None:
+        """Until no tracked process (but the soak itself) runs, or `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while any(t.pid != os.getpid() and _same(t) is not None for t in self.tracked.values()):
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
 
     def _sweep(self) -> None:
         """SIGKILL any tracked process still running (a child that left its group)."""

@@ -34,3 +34,8 @@ Variants = Literal[
 ]  # fmt: skip
 Protocol = Literal["qwen3-tts", "vllm-omni"]
 FirstChunkFrames = Literal[1, 2, 4]
+Strategy = Literal["balanced", "priority"]  # how the plugin picks among its engines
+# How a stream's text reaches the engine: "stream" sends it as it comes over the engine's
+# streaming-text WebSocket (one socket per reply segment), "sentences" as one HTTP request per
+# sentence (and first clause), "auto" streams where the engine's status says `streaming_text`.
+TextInput = Literal["auto", "stream", "sentences"]

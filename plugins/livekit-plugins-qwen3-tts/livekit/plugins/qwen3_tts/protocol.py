@@ -5,6 +5,10 @@ in step, without this plugin importing the engine).
 `POST /v1/audio/speech` takes OpenAI's fields plus vLLM-Omni's Qwen3-TTS fields and streams
 s16le mono PCM at 24 kHz, one HTTP chunk per 4-frame audio chunk; errors are OpenAI-style JSON
 bodies (`{"error": {"message", "type", "param", "code"}}`).
+
+`GET /v1/audio/speech/stream` (WebSocket, subprotocol `qwen3-tts.speech.v1`) takes a reply's text
+as it is written: one socket per utterance; JSON control messages, binary PCM frames back. An
+engine that has it says `"streaming_text": true` in `GET /v1/engine/status`.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+ENGINE_FULL = "engine_full"  # the error code of a 429: batch and queue are full, try another engine
 
 SAMPLE_RATE = 24000
 FRAME_RATE = 12.5
@@ -24,6 +30,22 @@ HEADER_VARIANT = "X-Qwen3-TTS-Variant"
 HEADER_MODEL = "X-Qwen3-TTS-Model"
 HEADER_SAMPLE_RATE = "X-Sample-Rate"
 HEADER_REQUEST_ID = "X-Request-Id"
+
+# Streaming text input over a WebSocket.
+STATUS_PATH = "/v1/engine/status"
+SPEECH_STREAM_PATH = "/v1/audio/speech/stream"
+SPEECH_STREAM_SUBPROTOCOL = "qwen3-tts.speech.v1"
+# Client -> server message types
+MSG_SESSION_START = "session.start"
+MSG_TEXT_APPEND = "input_text.append"
+MSG_TEXT_END = "input_text.end"
+MSG_CANCEL = "response.cancel"
+# Server -> client event types
+EV_SESSION_CREATED = "session.created"
+EV_TEXT_ACK = "input_text.ack"
+EV_FIRST_AUDIO = "response.first_audio"
+EV_DONE = "response.done"
+EV_ERROR = "error"
 
 LANGUAGES = (
     "auto", "chinese", "english", "japanese", "korean", "german",
@@ -59,6 +81,21 @@ def error_message(body: Any) -> str | None:
     return None
 
 
+def streams_text(status: Any) -> bool:
+    """Whether a `GET /v1/engine/status` body announces the streaming-text WebSocket."""
+    return isinstance(status, Mapping) and status.get("streaming_text") is True
+
+
+def stream_error(event: Mapping) -> tuple[int, str]:
+    """(HTTP status, message) of the socket's `error` event: the status the same error gets on
+    `POST /v1/audio/speech` (500 if the event has none), and its OpenAI-style message."""
+    try:
+        status = int(event.get("status") or 500)
+    except (TypeError, ValueError):
+        status = 500
+    return status, error_message(event) or f"engine error {status}"
+
+
 @dataclass(frozen=True)
 class EngineLoad:
     """What a client weighs from `GET /v1/engine/status`: requests waiting or in flight on
@@ -77,7 +114,11 @@ class EngineLoad:
         governor = body.get("governor") or {}
         pressure = (governor.get("pressure") or {}).get("pressure")
         policy = governor.get("policy") or {}
-        if pressure is None or policy.get("upgrade_at") is None or policy.get("critical_at") is None:
+        if (
+            pressure is None
+            or policy.get("upgrade_at") is None
+            or policy.get("critical_at") is None
+        ):
             return cls(queue_depth=depth)
         return cls(queue_depth=depth, memory_pressure=float(pressure),
                    upgrade_at=float(policy["upgrade_at"]), critical_at=float(policy["critical_at"]))  # fmt: skip
@@ -88,3 +129,45 @@ class EngineLoad:
             return 0.0
         low, high = self.upgrade_at, self.critical_at
         return (self.memory_pressure - low) / max(1e-6, high - low)
+
+
+@dataclass(frozen=True)
+class EngineCapacity:
+    """An engine's `GET /load` (the server's `protocol.LoadReport`): streams running and waiting,
+    the streams it keeps in real time now (`slots`) and whether it takes new ones."""
+
+    running: int
+    waiting: int
+    slots: int
+    free_slots: int
+    accepting: bool = True
+    state: str = "serving"  # serving | swapping | draining | loading
+
+    @classmethod
+    def from_json(cls, body: Any) -> EngineCapacity | None:
+        """None for a body that is not a load report (a server with another `/load`: vLLM's is
+        `{"server_load": N}`)."""
+        if not isinstance(body, Mapping):
+            return None
+        try:
+            return cls(running=int(body["running"]), waiting=int(body["waiting"]),
+                       slots=int(body["slots"]), free_slots=int(body["free_slots"]),
+                       accepting=bool(body.get("accepting", True)),
+                       state=str(body.get("state", "serving")))  # fmt: skip
+        except (KeyError, TypeError, ValueError):
+            return None
+
+    @property
+    def takes_new(self) -> bool:
+        """Admits a new stream without queueing it behind a swap, a drain or a load."""
+        return self.accepting and self.state == "serving"
+
+
+def retry_after_s(value: str | None, default: float = 1.0) -> float:
+    """`Retry-After` in seconds (the engine sends whole seconds; an HTTP date counts as the
+    default), kept within 0..60."""
+    try:
+        seconds = float(value) if value is not None else default
+    except ValueError:
+        seconds = default
+    return min(60.0, max(0.0, seconds))

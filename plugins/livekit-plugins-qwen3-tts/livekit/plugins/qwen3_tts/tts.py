@@ -1,6 +1,7 @@
-"""LiveKit TTS for Qwen3-TTS engines (ours on MLX, or vLLM-Omni on GPUs) over streaming HTTP.
+"""LiveKit TTS for Qwen3-TTS engines (ours on MLX, or vLLM-Omni on GPUs) over streaming HTTP,
+or over our engine's streaming-text WebSocket (`text_input`; the socket: `text_socket.py`).
 
-Text from the LLM is cut into sentences; each is synthesized as soon as it is complete, while the
+In sentence mode, text from the LLM is cut into sentences; each is synthesized as soon as it is complete, while the
 previous one still plays, so the prefill of sentence N+1 hides behind the audio of sentence N.
 A reply's first clause goes ahead on its own, with a small first chunk (`clauses.py`).
 """
@@ -16,12 +17,11 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+import aiohttp
 import httpx
 from livekit.agents import (
-    APIConnectionError,
     APIConnectOptions,
     APIStatusError,
-    APITimeoutError,
     tokenize,
     tts,
     utils,
@@ -33,18 +33,31 @@ from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
 
 from .clauses import FirstClauseTokenizer
-from .endpoints import Endpoint, EndpointPool
+from .discovery import Resolver
+from .endpoints import Endpoint, EndpointPool, check_strategy
+from .failures import ENDPOINT_FAILURES, EndpointUnavailable, Stalled, final_error
 from .log import logger
 from .models import (
     FirstChunkFrames,
     Protocol,
+    Strategy,
     TaskTypes,
+    TextInput,
     TTSLanguages,
     TTSModels,
     TTSVoices,
     Variants,
 )
-from .protocol import HEADER_VARIANT, SAMPLE_RATE, error_message, normalize_language
+from .protocol import (
+    HEADER_VARIANT,
+    MSG_SESSION_START,
+    SAMPLE_RATE,
+    error_message,
+    normalize_language,
+    retry_after_s,
+)
+from .segment_text import SegmentText
+from .text_socket import NoTextStreaming, TextSocket, TextStreamReport
 
 DEFAULT_URL = "http://127.0.0.1:8880"
 # The owned HTTP client's default, which bounds the `/ready` probes: a healthy engine answers at
@@ -73,7 +86,9 @@ class _TTSOptions:
     protocol: Protocol
     prefetch: int
     first_clause_min_words: int | None = 3
-    first_clause_chunk_frames: int | None = None  # None: first_chunk_frames
+    # the first chunk of a segment's first request (None: first_chunk_frames); 2: bench first-chunk
+    first_clause_chunk_frames: int | None = 2
+    text_input: TextInput = "auto"
 
     def __post_init__(self) -> None:  # also checks what update_options() changes
         if self.first_chunk_frames not in (1, 2, 4):
@@ -88,6 +103,14 @@ class _TTSOptions:
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
             raise ValueError("first_clause_min_words must be an integer >= 0, or None "
                              f"(0 or None: no first clause on its own), not {m!r}")  # fmt: skip
+        if self.text_input not in ("auto", "stream", "sentences"):
+            raise ValueError(
+                f"text_input must be 'auto', 'stream' or 'sentences', not {self.text_input!r}"
+            )
+        if self.text_input == "stream" and self.protocol != "qwen3-tts":
+            raise ValueError(
+                "text_input='stream' needs protocol='qwen3-tts' (vLLM-Omni takes sentences)"
+            )
         if self.first_clause_chunk_frames not in (None, 1, 2, 4):
             raise ValueError("first_clause_chunk_frames must be 1, 2, 4 or None (None: "
                              f"first_chunk_frames), not {self.first_clause_chunk_frames!r}")  # fmt: skip
@@ -99,6 +122,23 @@ class _TTSOptions:
             return self
         frames = min(self.first_clause_chunk_frames, self.first_chunk_frames)
         return replace(self, first_chunk_frames=frames)
+
+    def streams_text(self) -> bool | None:
+        """Whether a stream's segments go over the streaming-text socket: None: ask the engine."""
+        if self.text_input == "sentences" or self.protocol != "qwen3-tts":
+            return False
+        return True if self.text_input == "stream" else None
+
+    def stream_start(self, seed: int) -> dict:
+        """The `session.start` message of a streamed segment: the fields of a request, with the
+        small first chunk of a reply's first request when one is set (never larger than
+        `first_chunk_frames`)."""
+        frames = min(
+            self.first_clause_chunk_frames or self.first_chunk_frames, self.first_chunk_frames
+        )
+        body = replace(self, first_chunk_frames=frames).request_body("", seed)
+        del body["input"], body["stream"]
+        return {"type": MSG_SESSION_START, **body}
 
     def request_body(self, text: str, seed: int | None) -> dict:
         """The JSON for one sentence. vLLM-Omni gets only the fields it defines."""
@@ -128,6 +168,7 @@ class SentenceReport:
     variant: str | None = None
     first_audio_s: float | None = None
     skipped_bytes: int = 0  # audio re-synthesized after a failover but not played again
+    full: list[str] = field(default_factory=list)  # endpoints that answered 429 (engine full)
     seed: int | None = None  # sent with every attempt, so that a failover repeats the same audio
     first_chunk_frames: int | None = None  # the first chunk asked of the engine
 
@@ -158,23 +199,41 @@ class TTS(tts.TTS):
         max_new_tokens: int | None = None,
         first_chunk_frames: FirstChunkFrames = 4,
         first_clause_min_words: int | None = 3,
-        first_clause_chunk_frames: int | None = None,
+        first_clause_chunk_frames: int | None = 2,
         protocol: Protocol = "qwen3-tts",
+        text_input: TextInput = "auto",
         prefetch: int = 1,
+        strategy: Strategy = "balanced",
         timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
         probe_interval: float = 2.0,
+        load_interval: float = 0.5,
+        resolve_interval: float = 10.0,
+        resolver: Resolver | None = None,
         tokenizer: tokenize.SentenceTokenizer | None = None,
         http_client: httpx.AsyncClient | None = None,
     ) -> None:
         """Qwen3-TTS over HTTP.
 
         `base_url` takes one or more engine URLs (default: `QWEN3_TTS_URL`, comma-separated, or
-        http://127.0.0.1:8880); they are used in order, failing over when one dies. Use
+        http://127.0.0.1:8880). An http:// URL whose host name resolves to several addresses
+        (a headless Service) is one engine per address, re-resolved every `resolve_interval` s
+        (`resolver`: an `async (host, port) -> addresses` in place of the system's). Each request
+        goes to one engine by `strategy`: "balanced" (least used by this client's requests in
+        flight and the engine's free slots from `GET /load`, read every `load_interval` s while
+        a stream is open; power of two choices) or "priority" (the first healthy URL in order).
+        A request fails over to another engine when one dies; one that answers 429 (full) is
+        passed over for its Retry-After without being marked down. Use
         `protocol="vllm-omni"` for a vLLM-Omni server (only its own fields are sent).
+        `text_input` says how a stream's text reaches the engine: `"stream"` as the LLM writes it,
+        over the engine's streaming-text WebSocket (one socket per reply segment); `"sentences"`
+        as one HTTP request per sentence (below); `"auto"` streams where the engine's status says
+        `streaming_text` (read once per endpoint) and sends sentences elsewhere (vLLM-Omni and
+        older engines). `synthesize()` always makes one HTTP request.
         `prefetch` is how many sentences may be requested ahead of the one playing.
         The first request of each segment carries only its first clause, once that has
-        `first_clause_min_words` words (0 or None: whole sentences only), and may ask for a
-        smaller first chunk: `first_clause_chunk_frames` frames (None: `first_chunk_frames`).
+        `first_clause_min_words` words (0 or None: whole sentences only), and asks for a
+        smaller first chunk: `first_clause_chunk_frames` frames (default 2; None:
+        `first_chunk_frames`); a streamed segment's socket asks for the same first chunk.
         Each attempt on an endpoint gets `conn_options.timeout` (LiveKit's per-request option) to
         connect and between received bytes; a stalled endpoint is failed over and marked down.
         A request's first attempt fails over through the endpoints; each of LiveKit's retries
@@ -197,7 +256,7 @@ class TTS(tts.TTS):
             top_p=top_p, repetition_penalty=repetition_penalty, seed=seed,
             max_new_tokens=max_new_tokens, first_chunk_frames=first_chunk_frames,
             protocol=protocol, prefetch=prefetch, first_clause_min_words=first_clause_min_words,
-            first_clause_chunk_frames=first_clause_chunk_frames,
+            first_clause_chunk_frames=first_clause_chunk_frames, text_input=text_input,
         )  # fmt: skip
         api_key = api_key or os.environ.get("QWEN3_TTS_API_KEY")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -206,7 +265,10 @@ class TTS(tts.TTS):
         self._client = http_client or httpx.AsyncClient(
             timeout=self._timeout, limits=httpx.Limits(max_connections=64)
         )
-        self._pool = EndpointPool(urls, self._client, probe_interval=probe_interval)
+        self._pool = EndpointPool(urls, self._client, strategy=strategy, probe_interval=probe_interval,
+                                  load_interval=load_interval, resolve_interval=resolve_interval,
+                                  resolver=resolver, headers=self._headers)  # fmt: skip
+        self._ws_session: aiohttp.ClientSession | None = None  # made when first needed
         self._tokenizer = tokenizer or tokenize.basic.SentenceTokenizer()
         self._streams: weakref.WeakSet[ChunkedStream | SynthesizeStream] = weakref.WeakSet()
         self._closed = False
@@ -243,15 +305,22 @@ class TTS(tts.TTS):
         first_chunk_frames: NotGivenOr[FirstChunkFrames] = NOT_GIVEN,
         first_clause_min_words: NotGivenOr[int | None] = NOT_GIVEN,
         first_clause_chunk_frames: NotGivenOr[FirstChunkFrames | None] = NOT_GIVEN,
+        text_input: NotGivenOr[TextInput] = NOT_GIVEN,
         prefetch: NotGivenOr[int] = NOT_GIVEN,
+        strategy: NotGivenOr[Strategy] = NOT_GIVEN,
     ) -> None:
         """Change options given here, checked as the constructor checks them (a bad value
         raises ValueError and changes nothing); streams already open keep the options they
-        started with."""
+        started with (`strategy` applies to the next request of any stream)."""
         changes = {k: v for k, v in locals().items() if k != "self" and is_given(v)}
         if "language" in changes:
             changes["language"] = normalize_language(changes["language"])
+        new_strategy = changes.pop("strategy", None)
+        if new_strategy is not None:
+            check_strategy(new_strategy)
         self._opts = replace(self._opts, **changes)
+        if new_strategy is not None:
+            self._pool.strategy = new_strategy
 
     def synthesize(
         self, text: str, *, conn_options: APIConnectOptions = DEFAULT_API_CONNECT_OPTIONS
@@ -280,12 +349,34 @@ class TTS(tts.TTS):
         self._closed = True
         await asyncio.gather(*(s.aclose() for s in list(self._streams)), return_exceptions=True)
         await self._pool.aclose()
+        if self._ws_session is not None:
+            await self._ws_session.close()
         if self._owns_client:
             await self._client.aclose()
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this qwen3_tts.TTS is closed (aclose() was called): make a new one")
+
+    def _ws_http(self) -> aiohttp.ClientSession:
+        """The aiohttp session of the text sockets: the job's (LiveKit closes it when the job
+        ends), or outside a job one of our own, closed by `aclose()`."""
+        if self._ws_session is not None:
+            return self._ws_session
+        try:
+            return utils.http_context.http_session()
+        except RuntimeError:  # no job context (scripts, tests, the demo)
+            self._ws_session = aiohttp.ClientSession()
+            return self._ws_session
+
+    def _text_socket(self, opts: _TTSOptions, conn: APIConnectOptions, deliver, on_sent,
+                     fail_over: Callable[[], bool]) -> TextSocket:  # fmt: skip
+        """The socket side of one streamed segment, with a seed of its own (for failover)."""
+        seed = opts.seed if opts.seed is not None else random.randrange(2**31)
+        return TextSocket(pool=self._pool, session=self._ws_http(), headers=self._headers,
+                          start=opts.stream_start(seed), conn=conn, deliver=deliver,
+                          on_sent=on_sent, fail_over=fail_over,
+                          ask_engine=opts.streams_text() is None)  # fmt: skip
 
     # -- one sentence, with failover ---------------------------------------------------------
 
@@ -311,24 +402,28 @@ class TTS(tts.TTS):
         tried: set[str] = set()
         t0 = time.perf_counter()
         while True:
-            ep = self._pool.choose(exclude=tried)
+            ep = await self._pool.acquire(exclude=tried)
             tried.add(ep.url)
             report.endpoints.append(ep.url)
             try:
                 await self._speak_once(ep, body, report, deliver, on_sent, t0, conn, ahead)
                 return
-            except (httpx.TransportError, _EndpointUnavailable, _Stalled) as e:
+            except _EngineFull as e:  # full, not broken: another engine takes it at once
+                self._pool.mark_full(ep, e.retry_after)
+                report.full.append(ep.url)
+                if not self._pool.untried(tried):
+                    raise APIStatusError(f"Qwen3-TTS engines are full ({len(tried)} tried; the last, "
+                                         f"{ep.url}, asks to retry after {e.retry_after:g} s)",
+                                         status_code=429, body=e.body, retryable=True) from e  # fmt: skip
+                logger.info("TTS endpoint %s is full (429): trying another", ep.url)
+            except ENDPOINT_FAILURES as e:
                 self._pool.mark_down(ep, f"{type(e).__name__}: {e}")
-                if len(tried) >= len(self._pool) or not fail_over():
-                    if isinstance(e, (httpx.TimeoutException, _Stalled)):
-                        raise APITimeoutError(f"Qwen3-TTS timed out at {ep.url}: {e}") from e
-                    msg = (f"Qwen3-TTS failed at {ep.url} ({len(tried)} of {len(self._pool)} "
-                           f"endpoints tried): {e}")  # fmt: skip
-                    if isinstance(e, _EndpointUnavailable):
-                        raise APIStatusError(msg, status_code=e.status, body=e.body) from e
-                    raise APIConnectionError(msg) from e
+                if not self._pool.untried(tried) or not fail_over():
+                    raise final_error(e, ep.url, len(tried), len(self._pool)) from e
                 logger.warning("TTS failover from %s after %d samples of %r: %s", ep.url,
                                report.samples, report.text[:40], e)  # fmt: skip
+            finally:
+                self._pool.release(ep)
 
     async def _speak_once(
         self, ep: Endpoint, body, report: SentenceReport, deliver, on_sent, t0,
@@ -351,7 +446,6 @@ class TTS(tts.TTS):
         self, ep: Endpoint, body, report: SentenceReport, deliver, on_sent, t0,
         conn: APIConnectOptions, ahead: asyncio.Future | None, headers: dict[str, str],
     ) -> None:  # fmt: skip
-        ep.requests += 1
         on_sent()  # the text goes to the model now: LiveKit's TTFB starts here
         # Reads are timed here (not by httpx) so that a queued sentence's wait can be excused.
         timeout = httpx.Timeout(conn.timeout, read=None)
@@ -364,12 +458,15 @@ class TTS(tts.TTS):
                     async with asyncio.timeout(conn.timeout):
                         await r.aread()
                 except TimeoutError:
-                    raise _Stalled(f"HTTP {r.status_code} with a body that stalled") from None
+                    raise Stalled(f"HTTP {r.status_code} with a body that stalled") from None
+            if r.status_code == 429:  # full: its batch and queue; another engine may have room
+                raise _EngineFull(retry_after_s(r.headers.get("Retry-After")), r.text)
             if r.status_code >= 500:  # this engine is broken or busy; another may not be
-                raise _EndpointUnavailable(r.status_code, r.text)
+                raise EndpointUnavailable(r.status_code, r.text)
             if r.status_code != 200:
                 raise APIStatusError(_error_message(r), status_code=r.status_code,
                                      request_id=r.headers.get("x-request-id"), body=r.text)  # fmt: skip
+            self._pool.mark_up(ep)
             report.variant = r.headers.get(HEADER_VARIANT)
             received = 0
             async with contextlib.aclosing(r.aiter_raw()) as chunks:
@@ -379,7 +476,7 @@ class TTS(tts.TTS):
                             data = await anext(chunks, None)
                     except TimeoutError:
                         stall = f"no audio for {conn.timeout:g} s after {received} bytes"
-                        raise _Stalled(stall) from None
+                        raise Stalled(stall) from None
                     if data is None:
                         break
                     # Bytes up to report.delivered_bytes were played from an endpoint that died.
@@ -404,7 +501,7 @@ class TTS(tts.TTS):
                 await asyncio.wait({send, ahead}, return_when=asyncio.FIRST_COMPLETED)
             return await asyncio.wait_for(send, timeout)
         except TimeoutError:
-            raise _Stalled(f"no response for {timeout:g} s") from None
+            raise Stalled(f"no response for {timeout:g} s") from None
         except BaseException:
             send.cancel()
             await asyncio.wait({send})
@@ -413,14 +510,10 @@ class TTS(tts.TTS):
             raise
 
 
-class _EndpointUnavailable(Exception):
-    def __init__(self, status: int, body: str) -> None:
-        super().__init__(f"HTTP {status}: {body[:200]}")
-        self.status, self.body = status, body
-
-
-class _Stalled(Exception):
-    """The endpoint accepted the request but sent nothing for `conn_options.timeout`."""
+class _EngineFull(Exception):
+    def __init__(self, retry_after: float, body: str) -> None:
+        super().__init__(f"HTTP 429 (retry after {retry_after:g} s): {body[:200]}")
+        self.retry_after, self.body = retry_after, body
 
 
 def _error_message(r: httpx.Response) -> str:
@@ -449,9 +542,10 @@ class ChunkedStream(tts.ChunkedStream):
         report = self.report = SentenceReport(self.input_text)
         # A retry (LiveKit's, after every endpoint failed) is one more try, not another round
         # of failovers; once audio has played, a cut is continued on the next endpoint.
-        await self._tts._speak(self._opts, report, output_emitter.push, lambda: None,
-                               self._conn_options,
-                               fail_over=lambda: first or report.delivered_bytes > 0)  # fmt: skip
+        async with self._tts._pool.in_use():
+            await self._tts._speak(self._opts, report, output_emitter.push, lambda: None,
+                                   self._conn_options,
+                                   fail_over=lambda: first or report.delivered_bytes > 0)  # fmt: skip
 
     async def aclose(self) -> None:
         self._tts._streams.discard(self)
@@ -459,11 +553,15 @@ class ChunkedStream(tts.ChunkedStream):
 
 
 class SynthesizeStream(tts.SynthesizeStream):
+    """The LLM's text as it comes: each segment (up to a `flush()`) goes to the engine over one
+    streaming-text socket, or as sentence requests (`text_input`, and what the engine takes)."""
+
     def __init__(self, *, tts: TTS, conn_options: APIConnectOptions) -> None:
         super().__init__(tts=tts, conn_options=conn_options)
         self._tts: TTS = tts
         self._opts = replace(tts._opts)
-        self.sentences: list[SentenceReport] = []  # of the last attempt
+        self.sentences: list[SentenceReport] = []  # of the last attempt, segments sent as sentences
+        self.text_streams: list[TextStreamReport] = []  # of the last attempt, segments streamed
         self.attempts = 0  # LiveKit's base class calls _run once per attempt (1 + retries)
         self._played = False  # this attempt has pushed audio
 
@@ -472,7 +570,7 @@ class SynthesizeStream(tts.SynthesizeStream):
         await super().aclose()
 
     def _may_fail_over(self) -> bool:
-        """A retry makes one try per sentence until audio has played (as `ChunkedStream`)."""
+        """A retry makes one try per request until audio has played (as `ChunkedStream`)."""
         return self.attempts == 1 or self._played
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
@@ -480,44 +578,85 @@ class SynthesizeStream(tts.SynthesizeStream):
                                   num_channels=1, mime_type="audio/pcm", stream=True)  # fmt: skip
         self.attempts += 1
         self._played = False
-        self.sentences = []
-        segments: utils.aio.Chan[tokenize.SentenceStream] = utils.aio.Chan()
+        self.sentences, self.text_streams = [], []
+        segments: utils.aio.Chan[SegmentText] = utils.aio.Chan()
 
         async def split_input() -> None:
-            stream = None
+            text = None
             async for item in self._input_ch:
                 if isinstance(item, self._FlushSentinel):
-                    if stream is not None:
-                        stream.end_input()
-                    stream = None
+                    if text is not None:
+                        text.end()
+                    text = None
                     continue
-                if stream is None:
-                    stream = FirstClauseTokenizer(
-                        self._tts._tokenizer, min_words=self._opts.first_clause_min_words
-                    ).stream()
-                    segments.send_nowait(stream)
-                stream.push_text(item)
-            if stream is not None:
-                stream.end_input()
+                if text is None:
+                    text = SegmentText()
+                    segments.send_nowait(text)
+                text.append(item)
+            if text is not None:
+                text.end()
             segments.close()
 
         async def speak_segments() -> None:
-            async for sentences in segments:
+            async for text in segments:
                 output_emitter.start_segment(segment_id=utils.shortuuid())
-                await self._speak_segment(sentences, output_emitter)
+                await self._speak_text(text, output_emitter)
                 output_emitter.end_segment()
 
-        tasks = [asyncio.create_task(split_input()), asyncio.create_task(speak_segments())]
+        async with self._tts._pool.in_use():
+            tasks = [asyncio.create_task(split_input()), asyncio.create_task(speak_segments())]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                await utils.aio.cancel_and_wait(*tasks)
+
+    async def _speak_text(self, text: SegmentText, emitter: tts.AudioEmitter) -> None:
+        """One segment: over a socket where the engine takes streamed text, else as sentences."""
+        if self._opts.streams_text() is not False:
+            if not await text.has_words():
+                return  # nothing to say: no socket (the sentence path requests nothing either)
+            report = TextStreamReport()
+
+            def deliver(data: bytes) -> None:
+                emitter.push(data)
+                self._played = True
+
+            socket = self._tts._text_socket(self._opts, self._conn_options, deliver,
+                                            self._mark_started, self._may_fail_over)  # fmt: skip
+            try:
+                self.text_streams.append(report)
+                await socket.speak(text, report)
+                return
+            except NoTextStreaming:
+                self.text_streams.remove(report)
+        await self._speak_sentences(text, emitter)
+
+    async def _speak_sentences(self, text: SegmentText, emitter: tts.AudioEmitter) -> None:
+        sentences = FirstClauseTokenizer(
+            self._tts._tokenizer, min_words=self._opts.first_clause_min_words
+        ).stream()
+
+        async def forward() -> None:
+            async for batch in text.read():
+                for piece in batch:
+                    sentences.push_text(piece)
+            sentences.end_input()
+
+        forwarder = asyncio.create_task(forward())
         try:
-            await asyncio.gather(*tasks)
+            await self._speak_segment(sentences, emitter)
+            await forwarder
         finally:
-            await utils.aio.cancel_and_wait(*tasks)
+            await utils.aio.cancel_and_wait(forwarder)
+            await sentences.aclose()
 
     async def _speak_segment(self, sentences: tokenize.SentenceStream, emitter) -> None:
         """Request up to `prefetch` sentences ahead; play their audio strictly in text order.
         The first "sentence" may be the segment's first clause: it gets the small first chunk."""
         slots = asyncio.Semaphore(1 + self._opts.prefetch)
-        order: asyncio.Queue[tuple[SentenceReport, asyncio.Queue, asyncio.Task] | None] = asyncio.Queue()
+        order: asyncio.Queue[tuple[SentenceReport, asyncio.Queue, asyncio.Task] | None] = (
+            asyncio.Queue()
+        )
         started: list[asyncio.Task] = []
 
         async def launch() -> None:

@@ -1,0 +1,321 @@
+"""`GET /v1/audio/speech/stream`: one utterance whose text arrives while it is spoken (WebSocket).
+
+Subprotocol `qwen3-tts.speech.v1`. The client sends `session.start` (the fields of
+`POST /v1/audio/speech`), then `input_text.append` pieces and `input_text.end` (or
+`response.cancel`); the server answers `session.created`, `input_text.ack`, binary PCM chunks
+(s16le, 24 kHz mono), `response.first_audio` after the first chunk and `response.done`, or an
+`error` event carrying the status and body the same error gets on POST, then closes (1008 for
+a client error, 1011 for the server's). Closing the socket cancels the utterance. The synthesis
+runs as on POST (`Engine.stream`: auth, limits, the queue, a swap's hold and re-routing,
+metrics, a trace span); its text goes to the worker as it comes (`dispatch/text_input.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import socket
+import time
+from typing import TYPE_CHECKING
+
+from aiohttp import WSMsgType, web
+from opentelemetry.trace import SpanKind, StatusCode
+
+from qwen3_tts_engine.dispatch.handler import Result
+from qwen3_tts_engine.dispatch.text_input import TextInput
+from qwen3_tts_engine.log import logger
+from qwen3_tts_engine.protocol import (
+    HEADER_REQUEST_ID,
+    SAMPLE_RATE,
+    SPEECH_STREAM_PATH,
+    SPEECH_STREAM_SUBPROTOCOL,
+    RequestError,
+    SpeechRequest,
+    check_input,
+    parse_speech_request,
+)
+from qwen3_tts_engine.serving.errors import MAPPED, RETRY_STATUSES, as_request_error, error_response
+from qwen3_tts_engine.serving.ref_audio import resolve_ref_audio
+from qwen3_tts_engine.serving.tracing import extract_context, tracer
+
+if TYPE_CHECKING:
+    from qwen3_tts_engine.serving.app import EngineServer
+    from qwen3_tts_engine.serving.speech import SpeechRoutes
+
+SUBPROTOCOL = SPEECH_STREAM_SUBPROTOCOL
+CLOSE_CLIENT_ERROR, CLOSE_SERVER_ERROR = 1008, 1011
+
+_ids = itertools.count(1)
+
+
+class ClientGone(Exception):
+    """The client cannot take more: it closed, or stopped reading (its buffer is full)."""
+
+
+class SessionEnd(Exception):
+    """The session ends with this error event (a RequestError's status and body)."""
+
+    def __init__(self, error: RequestError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+def error_event(error: RequestError, retry_after_s: int | None = None) -> dict:
+    """The `error` event: the status and the body POST /v1/audio/speech answers with."""
+    event = {"type": "error", "status": error.status, **error.to_json()}
+    if retry_after_s and error.status in RETRY_STATUSES:
+        event["retry_after_s"] = retry_after_s
+    return event
+
+
+class SpeechStreamRoutes:
+    """The streaming-text path of an `EngineServer`."""
+
+    def __init__(self, server: EngineServer, speech: SpeechRoutes) -> None:
+        self.server = server
+        self.speech = speech
+
+    def routes(self) -> list[web.RouteDef]:
+        return [web.get(SPEECH_STREAM_PATH, self.stream)]
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        rid = request.headers.get(HEADER_REQUEST_ID) or f"tts-ws-{next(_ids)}"
+        if not self.server.authorized(request):  # before the upgrade, as on POST
+            self.server.metrics.requests.labels("401").inc()
+            return error_response(RequestError("missing or wrong bearer token", status=401))
+        config = self.server.config
+        # writer_limit above the send bound: the bound (not aiohttp's drain) meets a stuck client
+        ws = web.WebSocketResponse(protocols=(SUBPROTOCOL,), max_msg_size=config.max_body_bytes,
+                                   writer_limit=2 * config.ws_send_buffer_bytes)  # fmt: skip
+        if not ws.can_prepare(request).ok:
+            return error_response(RequestError(f"{SPEECH_STREAM_PATH} takes a WebSocket upgrade "
+                                               f"(subprotocol {SUBPROTOCOL})"))  # fmt: skip
+        with tracer.start_as_current_span("qwen3_tts.speech_stream", context=extract_context(request.headers),
+                                          kind=SpanKind.SERVER,
+                                          attributes={"qwen3_tts.request_id": rid}) as span:  # fmt: skip
+            await ws.prepare(request)
+            _bound_kernel_buffer(request, config.ws_send_buffer_bytes)
+            session = _Session(self, ws, request, rid)
+            try:
+                await session.run()
+            finally:  # also when aiohttp cancels the handler as the connection goes
+                self.server.metrics.requests.labels(session.outcome).inc()
+                span.set_attribute("qwen3_tts.outcome", session.outcome)
+                if session.error is not None:
+                    span.set_status(StatusCode.ERROR, session.error.message)
+        return ws
+
+
+def _bound_kernel_buffer(request: web.Request, limit: int) -> None:
+    """Cap the kernel's send buffer as well, so a client that stops reading fills both (the
+    kernel's and the transport's) within `limit` bytes each, and is dropped then."""
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, limit)
+
+
+class _Session:
+    """One socket: the reader (this task) and the synthesis pump (a task of its own)."""
+
+    def __init__(self, routes: SpeechStreamRoutes, ws: web.WebSocketResponse, request: web.Request,
+                 rid: str) -> None:  # fmt: skip
+        self.routes = routes
+        self.server = routes.server
+        self.ws = ws
+        self.request = request
+        self.send_bound = routes.server.config.ws_send_buffer_bytes  # this socket's, from its start
+        self.rid = rid
+        self.t0 = time.perf_counter()
+        self.req: SpeechRequest | None = None
+        self.text: TextInput | None = None
+        self.result = Result()
+        self.pump: asyncio.Task | None = None
+        self.error: RequestError | None = None
+        self.outcome = "cancelled"  # for the requests metric: a status, "aborted" or "cancelled"
+        self.chunks = 0
+        self.samples = 0
+        self.acked_tokens = -1
+        self._send_lock = asyncio.Lock()
+
+    async def run(self) -> None:
+        """Serve the socket to its end (`outcome` says how it ended)."""
+        try:
+            await self._read()
+            if self.pump is not None and not self.pump.cancelled():
+                await self.pump
+        except SessionEnd as e:
+            await self._fail(e.error)
+        except ClientGone as e:  # an ack found the client gone or stuck
+            self._drop(e)
+        finally:
+            if self.pump is not None and not self.pump.done():
+                # the client went away (or cancelled): the synthesis stops, its slot frees
+                self.pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self.pump
+                logger.info(
+                    "%s: socket closed after %d chunks; synthesis cancelled", self.rid, self.chunks
+                )
+            if not self.ws.closed:
+                await self.ws.close()
+
+    # -- client -> server --------------------------------------------------------------------
+
+    async def _read(self) -> None:
+        async for message in self.ws:
+            if message.type == WSMsgType.TEXT:
+                try:
+                    body = json.loads(message.data)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise SessionEnd(RequestError("messages must be JSON text frames")) from None
+            elif message.type == WSMsgType.BINARY:
+                raise SessionEnd(RequestError("binary frames carry audio from the server only; "
+                                              "send JSON text frames"))  # fmt: skip
+            else:  # ERROR (e.g. a frame above the size limit): aiohttp closes the socket
+                return
+            if not isinstance(body, dict) or not isinstance(body.get("type"), str):
+                raise SessionEnd(RequestError('a message is a JSON object with a "type"'))
+            try:
+                if await self._handle(body):
+                    return
+            except RequestError as e:
+                raise SessionEnd(e) from None
+            if self.pump is not None and self.pump.done():
+                return  # the synthesis ended (or failed) while the client was writing
+
+    async def _handle(self, body: dict) -> bool:
+        """One client message; True when the session is over."""
+        kind = body["type"]
+        if kind == "session.start":
+            if self.req is not None:
+                raise SessionEnd(RequestError("the session has started already"))
+            await self._start({k: v for k, v in body.items() if k != "type"})
+        elif self.req is None:
+            raise SessionEnd(RequestError(f"{kind!r} before session.start"))
+        elif kind == "input_text.append":
+            await self._append(body.get("text"))
+        elif kind == "input_text.end":
+            if not self.text.ended:
+                check_input(self.text.text, self.server.config.limits)  # as POST checks `input`
+                self.text.end()
+        elif kind == "response.cancel":
+            self.pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.pump
+            await self._send_json({"type": "response.done", "cancelled": True, **self._counts()})
+            return True
+        else:
+            raise SessionEnd(RequestError(f"unknown message type {kind!r}"))
+        return False
+
+    async def _start(self, body: dict) -> None:
+        server, config = self.server, self.server.config
+        try:
+            req = parse_speech_request(body, config.limits, text_stream=True)
+            req.voice = self.routes.speech._voice(req.voice)
+            req.text_start_tokens = req.text_start_tokens or config.text_start_tokens
+            req.text_pace = req.text_pace or config.text_pace
+            server.engine.validate(req)
+            ref = resolve_ref_audio(req.ref_audio, config.ref_audio_dir,
+                                    config.limits.max_ref_audio_bytes)  # fmt: skip
+        except RequestError as e:
+            raise SessionEnd(e) from None
+        req.ref_audio = None
+        self.text = TextInput(req.input)
+        req.input = ""  # the text goes to the worker as it arrives
+        self.req = req
+        await self._send_json({"type": "session.created", "id": self.rid, "sample_rate": SAMPLE_RATE,
+                               "variant": str(req.variant or server.engine.active.variant)})  # fmt: skip
+        chunks = server.engine.stream(req, ref_audio=ref, result=self.result, text=self.text)
+        self.pump = asyncio.ensure_future(self._pump(chunks))
+
+    async def _append(self, text) -> None:
+        if not isinstance(text, str):
+            raise SessionEnd(RequestError("input_text.append needs a string `text`", param="text"))
+        if self.text.ended:
+            raise SessionEnd(RequestError("input_text.append after input_text.end"))
+        limit = self.server.config.limits.max_input_chars
+        if self.text.chars + len(text) > limit:  # the message POST gives a longer `input`
+            raise SessionEnd(RequestError(f"input is longer than {limit} characters; split it",
+                                          param="input"))  # fmt: skip
+        self.text.append(text)
+        if self.text.tokens != self.acked_tokens:  # acks only when the committed tokens grew
+            self.acked_tokens = self.text.tokens
+            await self._send_json({"type": "input_text.ack", "chars": self.text.chars,
+                                   "tokens": self.text.tokens})  # fmt: skip
+
+    # -- server -> client --------------------------------------------------------------------
+
+    async def _pump(self, chunks) -> str:
+        """The synthesis: audio out as it is made, then `response.done`; the outcome."""
+        speech = self.routes.speech
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    await self._send_bytes(chunk.pcm)
+                    speech._observe_chunk(chunk, self.result)
+                    self.chunks += 1
+                    self.samples += len(chunk.pcm) // 2
+                    if self.chunks == 1:
+                        ms = (time.perf_counter() - self.t0) * 1000
+                        await self._send_json({"type": "response.first_audio", "ms": round(ms, 1)})
+            speech._observe_done(self.result, self.rid, self.t0, self.chunks)
+            # the variant that served (session.created named the active one at the start: a
+            # swap in between moves a request that had not started to the new one)
+            await self._send_json({"type": "response.done", **self._counts(),
+                                   "variant": self.result.variant})  # fmt: skip
+            self.outcome = "200"
+        except MAPPED as e:
+            return await self._fail(as_request_error(e))
+        except ClientGone as e:
+            return self._drop(e)
+        await self.ws.close()
+        return "200"
+
+    def _drop(self, reason: ClientGone) -> str:
+        """The client cannot take more: its connection is cut (what it has not read is
+        dropped); the synthesis is cancelled when the pump ends."""
+        logger.info("%s: %s after %d chunks; synthesis cancelled", self.rid, reason, self.chunks)
+        if self.request.transport is not None:
+            self.request.transport.abort()
+        self.outcome = "aborted"
+        return self.outcome
+
+    def _counts(self) -> dict:
+        stats = self.result.stats or {}
+        return {"frames": int(stats.get("frames", 0)), "samples": self.samples,
+                "text_tokens": int(stats.get("text_tokens", 0))}  # fmt: skip
+
+    async def _fail(self, error: RequestError) -> str:
+        self.error = error
+        self.outcome = str(error.status)
+        logger.info("%s: error %d: %s", self.rid, error.status, error.message)
+        with contextlib.suppress(ClientGone, RuntimeError):
+            await self._send_json(error_event(error, self.server.config.retry_after_s))
+        code = CLOSE_CLIENT_ERROR if error.status < 500 else CLOSE_SERVER_ERROR
+        await self.ws.close(code=code, message=error.message[:120].encode())
+        return str(error.status)
+
+    async def _send_json(self, data: dict) -> None:
+        await self._send(self.ws.send_str(json.dumps(data)))
+
+    async def _send_bytes(self, data: bytes) -> None:
+        transport = self.request.transport
+        if transport is None or transport.is_closing():
+            raise ClientGone("the client went away")
+        if transport.get_write_buffer_size() > self.send_bound:
+            raise ClientGone("the client stopped reading (send buffer full)")
+        await self._send(self.ws.send_bytes(data))
+
+    async def _send(self, coro) -> None:
+        """One frame, whole; a client that stops reading ends the session after the timeout."""
+        async with self._send_lock:
+            try:
+                await asyncio.wait_for(coro, self.server.config.ws_send_timeout_s)
+            except TimeoutError:
+                raise ClientGone("the client stopped reading (send timed out)") from None
+            except ConnectionError as e:
+                raise ClientGone(f"the client went away ({e})") from None

@@ -1,0 +1,226 @@
+"""One reply segment spoken over the engine's streaming-text WebSocket: its text goes to the engine
+as the LLM writes it (one socket per segment), and the audio comes back while text still arrives.
+
+Failover: when a socket fails, the segment goes to the next endpoint with the same seed, the
+text so far is replayed in one append, and the audio bytes already played are skipped. The
+engine makes the same codes whichever way the same text arrives (its equivalence tests), so
+this is sample-exact with the same checkpoint and variant, as the HTTP path's failover is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+from livekit.agents import APIConnectOptions, APIStatusError
+from livekit.agents.telemetry import tracer
+from opentelemetry import propagate
+from opentelemetry.trace import SpanKind
+
+from .endpoints import Endpoint, EndpointPool
+from .failures import ENDPOINT_FAILURES, EndpointUnavailable, SocketLost, Stalled, final_error
+from .log import logger
+from .protocol import (
+    EV_DONE,
+    EV_ERROR,
+    EV_FIRST_AUDIO,
+    EV_SESSION_CREATED,
+    MSG_TEXT_APPEND,
+    MSG_TEXT_END,
+    SPEECH_STREAM_PATH,
+    SPEECH_STREAM_SUBPROTOCOL,
+    stream_error,
+)
+from .segment_text import SegmentText
+
+
+@dataclass
+class TextStreamReport:
+    """What happened to one reply segment sent over the streaming-text socket."""
+
+    text: str = ""  # the text the last socket was given
+    delivered_bytes: int = 0
+    endpoints: list[str] = field(default_factory=list)
+    request_ids: list[str] = field(default_factory=list)  # the engine's, one per socket
+    variant: str | None = None
+    seed: int | None = None  # sent on every socket, so that a failover repeats the same audio
+    first_chunk_frames: int | None = None
+    first_audio_s: float | None = None  # from the segment's first socket opening
+    engine_first_audio_ms: float | None = None  # the engine's `response.first_audio`
+    # Whether the first audio came while the text was still open (before input_text.end).
+    first_audio_before_end: bool | None = None
+    skipped_bytes: int = 0  # audio made again after a failover but not played again
+
+    @property
+    def samples(self) -> int:
+        return self.delivered_bytes // 2
+
+
+async def _close(ws: aiohttp.ClientWebSocketResponse, sender: asyncio.Task) -> None:
+    await asyncio.gather(sender, return_exceptions=True)
+    await ws.close()
+
+
+class NoTextStreaming(Exception):
+    """The engine chosen for a segment does not take streamed text and nothing has played yet:
+    the segment is spoken as sentences instead."""
+
+
+class TextSocket:
+    """Speaks one segment over a socket per try, failing over between the pool's endpoints."""
+
+    def __init__(
+        self, *, pool: EndpointPool, session: aiohttp.ClientSession, headers: dict[str, str],
+        start: dict, conn: APIConnectOptions, deliver: Callable[[bytes], None],
+        on_sent: Callable[[], None], fail_over: Callable[[], bool], ask_engine: bool,
+    ) -> None:  # fmt: skip
+        self._pool, self._session, self._headers = pool, session, headers
+        self._start, self._conn = start, conn
+        self._deliver, self._on_sent, self._fail_over = deliver, on_sent, fail_over
+        self._ask_engine = ask_engine  # read each endpoint's status ("auto"), or assume support
+        self._ended = False  # input_text.end was sent on the current socket
+
+    async def speak(self, text: SegmentText, report: TextStreamReport) -> None:
+        """Raises NoTextStreaming where the engine has no socket and nothing has been played."""
+        report.seed = self._start.get("seed")
+        report.first_chunk_frames = self._start.get("first_chunk_frames")
+        tried: set[str] = set()
+        t0 = time.perf_counter()
+        while True:
+            ep = await self._pool.acquire(exclude=tried)  # counted outstanding until released
+            tried.add(ep.url)
+            try:
+                if self._ask_engine and not await self._pool.streams_text(ep, self._conn.timeout):
+                    if report.delivered_bytes == 0:
+                        raise NoTextStreaming(ep.url)
+                    raise SocketLost(f"{ep.url} does not take streamed text")
+                report.endpoints.append(ep.url)
+                await self._try(ep, text, report, t0)
+                return
+            except ENDPOINT_FAILURES as e:
+                self._pool.mark_down(ep, f"{type(e).__name__}: {e}")
+                if not self._pool.untried(tried) or not self._fail_over():
+                    raise final_error(e, ep.url, len(tried), len(self._pool)) from e
+                logger.warning("TTS failover from %s after %d samples of a streamed segment: %s",
+                               ep.url, report.samples, e)  # fmt: skip
+            finally:
+                self._pool.release(ep)
+
+    async def _try(self, ep: Endpoint, text: SegmentText, report: TextStreamReport, t0) -> None:
+        attrs = {"qwen3_tts.endpoint": ep.url, "qwen3_tts.text_input": "stream"}
+        with tracer.start_as_current_span("qwen3_tts.text_stream", kind=SpanKind.CLIENT,
+                                          attributes=attrs) as span:  # fmt: skip
+            headers = dict(self._headers)
+            propagate.inject(headers)  # the engine continues LiveKit's trace (W3C traceparent)
+            ws = await self._connect(ep, headers)
+            sender = asyncio.create_task(self._send(ws, text, report), name="qwen3-tts-text")
+            try:
+                await self._receive(ws, sender, report, t0)
+            finally:
+                # Shielded: LiveKit cancels a closing stream's tasks twice (aio.cancel_and_wait
+                # after gather's cancel); the socket must close all the same, and the engine
+                # cancels an utterance whose socket closes.
+                sender.cancel()
+                await asyncio.shield(_close(ws, sender))
+                span.set_attributes({"qwen3_tts.variant": report.variant or "",
+                                     "qwen3_tts.text_chars": len(report.text),
+                                     "qwen3_tts.first_audio_s": report.first_audio_s or -1.0,
+                                     "qwen3_tts.delivered_bytes": report.delivered_bytes})  # fmt: skip
+
+    async def _connect(
+        self, ep: Endpoint, headers: dict[str, str]
+    ) -> aiohttp.ClientWebSocketResponse:
+        url = "ws" + ep.url.removeprefix("http") + SPEECH_STREAM_PATH
+        timeout = self._conn.timeout
+        try:
+            async with asyncio.timeout(timeout):
+                return await self._session.ws_connect(
+                    url, protocols=(SPEECH_STREAM_SUBPROTOCOL,), headers=headers,
+                    # A peer that stops answering pings is found within `timeout` of the last
+                    # message while the text is still open (the engine may rightly be silent).
+                    heartbeat=timeout * 2 / 3,
+                    timeout=aiohttp.ClientWSTimeout(ws_close=min(1.0, timeout)),
+                )  # fmt: skip
+        except TimeoutError:
+            raise Stalled(f"no WebSocket upgrade for {timeout:g} s") from None
+        except aiohttp.WSServerHandshakeError as e:
+            if e.status >= 500 or e.status < 400:
+                raise EndpointUnavailable(e.status, e.message) from e
+            raise APIStatusError(f"Qwen3-TTS refused the text stream at {ep.url}: HTTP {e.status}",
+                                 status_code=e.status, body=e.message) from e  # fmt: skip
+
+    async def _send(self, ws, text: SegmentText, report: TextStreamReport) -> None:
+        """The start, the text so far in one append (all of it after a failover), each later
+        piece as it comes, then the end."""
+        self._ended = False
+        report.text = ""
+        await ws.send_json(self._start)
+        async for batch in text.read():
+            piece = "".join(batch)
+            await ws.send_json({"type": MSG_TEXT_APPEND, "text": piece})
+            report.text += piece
+            self._on_sent()  # the text goes to the model now: LiveKit's TTFB starts here
+        await ws.send_json({"type": MSG_TEXT_END})
+        self._ended = True
+
+    async def _receive(self, ws, sender: asyncio.Task, report: TextStreamReport, t0) -> None:
+        received = 0  # audio bytes of this socket
+        created = False
+        while True:
+            if sender.done() and sender.exception() is not None:
+                raise SocketLost(f"sending failed: {sender.exception()}")
+            # Bounded while the engine owes an answer: to the start, and after the text ended.
+            # While text is open the engine may be silent for as long as the LLM is: the
+            # heartbeat finds a dead peer then.
+            owed = not created or self._ended
+            try:
+                msg = await ws.receive(timeout=self._conn.timeout if owed else None)
+            except TimeoutError:
+                raise Stalled(
+                    f"no answer for {self._conn.timeout:g} s after {received} bytes"
+                ) from None
+            if msg.type == aiohttp.WSMsgType.BINARY:
+                data = msg.data
+                # Bytes up to report.delivered_bytes were played from an endpoint that failed.
+                skip = min(len(data), max(0, report.delivered_bytes - received))
+                received += len(data)
+                report.skipped_bytes += skip
+                if skip < len(data):
+                    if report.first_audio_s is None:
+                        report.first_audio_s = time.perf_counter() - t0
+                        report.first_audio_before_end = not self._ended
+                    self._deliver(data[skip:])
+                    report.delivered_bytes += len(data) - skip
+                continue
+            if msg.type == aiohttp.WSMsgType.ERROR:
+                if isinstance(msg.data, TimeoutError):  # no pong: the peer stalled
+                    raise Stalled(f"the socket stalled after {received} bytes: {msg.data}")
+                raise SocketLost(f"the socket failed after {received} bytes: {msg.data}")
+            if msg.type != aiohttp.WSMsgType.TEXT:  # CLOSE, CLOSING, CLOSED
+                raise SocketLost(f"the socket closed (code {ws.close_code}) after {received} "
+                                 "bytes, before the utterance was done")  # fmt: skip
+            try:
+                event = json.loads(msg.data)
+            except ValueError:
+                logger.warning("the engine sent a text frame that is not JSON: %r", msg.data[:100])
+                continue
+            kind = event.get("type") if isinstance(event, dict) else None
+            if kind == EV_SESSION_CREATED:
+                created = True
+                report.request_ids.append(str(event.get("id") or ""))
+                report.variant = event.get("variant") or report.variant
+            elif kind == EV_FIRST_AUDIO and report.engine_first_audio_ms is None:
+                report.engine_first_audio_ms = event.get("ms")
+            elif kind == EV_DONE:
+                return
+            elif kind == EV_ERROR:
+                status, message = stream_error(event)
+                if status >= 500:  # this engine is broken or busy; another may not be
+                    raise EndpointUnavailable(status, message)
+                request_id = report.request_ids[-1] if report.request_ids else None
+                raise APIStatusError(message, status_code=status, request_id=request_id,
+                                     body=msg.data)  # fmt: skip
