@@ -378,6 +378,30 @@ async def test_the_stream_ends_an_utterance_heard_in_full_after_its_silence(stre
 
 
 @needs_speech
+def test_a_pass_that_repeats_itself_stops_at_the_window_cap(streaming_stt, monkeypatch):
+    """tiny.en loops on windows that start in a pause and end on the first word after it
+    ("a pizza with a pizza with ...", up to hundreds of words and seconds of CPU, enough for a
+    turn's final to miss LiveKit's end of turn): a streaming pass stops at `window_token_cap`."""
+    rate = agreement.SAMPLE_RATE
+    before = speech_samples("I want to order a pizza with", sample_rate=rate)
+    after = speech_samples("extra cheese and olives.", sample_rate=rate)
+    audio = np.concatenate([before, np.zeros(int(0.9 * rate), np.int16), after]).astype(np.float32) / 32768
+    start = len(before) + rate // 2  # half a second into the pause
+    windows = [agreement.Window(start, audio[start : start + n], "I want to order a pizza with")
+               for n in (15200, 16000)]  # fmt: skip
+    opts = streaming_stt._opts
+    model = stt_module._load(opts)
+    caps = [stt_module.window_token_cap(w.seconds) for w in windows]
+    capped = [len(stt_module._decode_window(model, w, opts, "en")[0]) for w in windows]
+    assert stt_module.window_token_cap(600.0) + 223 + 4 <= 448  # any prompt whisper keeps fits
+    monkeypatch.setattr(stt_module, "window_token_cap", lambda seconds: None)  # whisper's own limit
+    free = [len(stt_module._decode_window(model, w, opts, "en")[0]) for w in windows]
+    print(f"words per window: free {free}, capped {capped}, caps {caps}")
+    assert any(f > c for f, c in zip(free, caps, strict=True)), (free, caps)  # tiny.en does repeat itself here
+    assert all(n <= c for n, c in zip(capped, caps, strict=True)), (capped, caps)  # a word is a token or more
+
+
+@needs_speech
 async def test_unloadable_model_is_a_non_retryable_api_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     stt = faster_whisper.STT(model="definitely-not-a-model-xyz", device="cpu", streaming=True)

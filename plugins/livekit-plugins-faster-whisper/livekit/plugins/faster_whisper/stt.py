@@ -516,6 +516,19 @@ def _mono(frames: list[rtc.AudioFrame]) -> np.ndarray:
     return (np.concatenate(parts) / 32768.0).astype(np.float32)
 
 
+# Speech stays under ~6 tokens a second; a pass past this rate is whisper repeating itself
+# (tiny.en on a window cut mid-word: "a pizza with a pizza with ..." for 200+ words and seconds of
+# CPU, which made a turn's final arrive after LiveKit had committed the turn without it).
+_TOKENS_PER_SECOND = 10
+_MIN_TOKENS = 16
+_MAX_TOKENS = 200  # with the longest prompt whisper keeps (223 tokens): under its 448
+
+
+def window_token_cap(seconds: float) -> int:
+    """The most tokens one streaming pass over `seconds` of audio may decode."""
+    return min(_MAX_TOKENS, _MIN_TOKENS + math.ceil(_TOKENS_PER_SECOND * seconds))
+
+
 def _decode_window(
     model: WhisperModel, window: Window, opts: _STTOptions, language: str | None
 ) -> tuple[list[Word], str]:
@@ -534,6 +547,7 @@ def _decode_window(
         # no sampled retries: a partial window often scores low, and random re-decodes would
         # make passes disagree (and cost a decode each)
         temperature=0.0,
+        max_new_tokens=window_token_cap(window.seconds),
     )
     words = [
         Word(w.word, float(w.start), float(w.end), float(w.probability))
