@@ -9,8 +9,13 @@ VERSION=1.9.12
 BIN_DIR="$PWD/.cache/bin"
 BIN="$BIN_DIR/livekit-server"
 
+source scripts/tool_cache.sh
 if [[ -x "$BIN" ]] && "$BIN" --version 2>/dev/null | grep -q "version $VERSION\$"; then
   echo "livekit-server $VERSION already installed: $BIN"
+  exit 0
+fi
+if tool_cache_get livekit-server "$VERSION" "$BIN" && "$BIN" --version 2>/dev/null | grep -q "version $VERSION\$"; then
+  echo "livekit-server $VERSION copied from $TOOL_CACHE: $BIN"
   exit 0
 fi
 if ! command -v go >/dev/null 2>&1; then
@@ -31,4 +36,5 @@ if ! "$BIN" --version 2>/dev/null | grep -q "version $VERSION\$"; then
   echo "ERROR: $BIN does not report version $VERSION: $("$BIN" --version 2>&1 || true)" >&2
   exit 1
 fi
+tool_cache_put livekit-server "$VERSION" "$BIN"
 echo "installed $("$BIN" --version) at $BIN"

@@ -10,8 +10,14 @@ VERSION=0.316.0  # Go module version of Prometheus 3.x's github.com/prometheus/p
 BIN_DIR="$PWD/.cache/bin"
 BIN="$BIN_DIR/promtool"
 
+source scripts/tool_cache.sh
 if [[ -x "$BIN" ]] && [[ -f "$BIN.version" ]] && [[ "$(cat "$BIN.version")" == "$VERSION" ]]; then
   echo "promtool $VERSION already installed: $BIN"
+  exit 0
+fi
+if tool_cache_get promtool "$VERSION" "$BIN" && "$BIN" --version >/dev/null 2>&1; then
+  echo "$VERSION" > "$BIN.version"
+  echo "promtool $VERSION copied from $TOOL_CACHE: $BIN"
   exit 0
 fi
 if ! command -v go >/dev/null 2>&1; then
@@ -26,4 +32,5 @@ if ! GOBIN="$BIN_DIR" GOFLAGS=-mod=mod go install "github.com/prometheus/prometh
 fi
 "$BIN" --version >/dev/null
 echo "$VERSION" > "$BIN.version"
+tool_cache_put promtool "$VERSION" "$BIN"
 echo "installed promtool $VERSION at $BIN"

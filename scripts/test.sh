@@ -6,19 +6,23 @@ bash scripts/bootstrap.sh
 # CI (CI set and not 0/false) must run every test: a missing tool is a failure there, while a
 # local run skips the tests that need it (each skip prints its reason in the summary).
 in_ci() { case "${CI:-}" in ""|0|false|False|FALSE) return 1;; *) return 0;; esac; }
-optional() {  # optional WHAT COMMAND...: run an installer; fail under CI, warn elsewhere
-  local what=$1; shift
-  if ! "$@"; then
+# The tools some tests need, installed at once (they are independent; only the browser's may
+# use apt, after bootstrap's): livekit-server and promtool built with Go (kept per version in the
+# user's cache, scripts/tool_cache.sh), Debian's chromium and the browser test's npm packages.
+# Each one that fails fails the run under CI; elsewhere the tests that need it are skipped.
+declare -A installing=(
+  ["livekit-server"]=scripts/install_livekit_server.sh
+  ["the browser test's tools"]=scripts/install_browser.sh
+  ["promtool"]=scripts/install_promtool.sh
+)
+declare -A installer_pid=()
+for what in "${!installing[@]}"; do bash "${installing[$what]}" & installer_pid[$what]=$!; done
+for what in "${!installer_pid[@]}"; do
+  if ! wait "${installer_pid[$what]}"; then
     if in_ci; then echo "ERROR: CI is set and $what could not be installed (see above)" >&2; exit 1; fi
     echo "WARNING: $what missing: the tests that need it will be skipped" >&2
   fi
-}
-# The LiveKit tests need a livekit-server binary (built with Go).
-optional "livekit-server" bash scripts/install_livekit_server.sh
-# The browser-client test needs Debian's chromium and the npm packages (livekit-client, playwright-core).
-optional "the browser test's tools" bash scripts/install_browser.sh
-# The monitoring tests check Prometheus's config and the dashboard's queries with promtool.
-optional "promtool" bash scripts/install_promtool.sh
+done
 export LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE=0 HF_HUB_OFFLINE=1
 # One BLAS/OpenMP thread per process: the suite's parallelism is its pytest workers and the
 # servers they start, and more threads per process only contend for the same cores (OpenBLAS's

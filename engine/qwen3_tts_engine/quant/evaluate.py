@@ -33,7 +33,7 @@ from qwen3_tts_engine.quant.audio_metrics import (
 )
 from qwen3_tts_engine.quant.candidates import Candidate, build, load_dir, weight_bytes
 from qwen3_tts_engine.quant.forced import Forced, compare_forced, teacher_forced
-from qwen3_tts_engine.quant.free_running import compare_runs, generate_codes
+from qwen3_tts_engine.quant.free_running import compare_runs, generate_codes_batched
 from qwen3_tts_engine.quant.stats import bootstrap_ci, paired_bootstrap
 from qwen3_tts_engine.quant.texts import CALIBRATION_TEXTS, EVAL_TEXTS
 from qwen3_tts_engine.worker.synthesis import one_shot_decode
@@ -87,11 +87,9 @@ class Reference:
         self.sample_rate = self.model.sample_rate
         self.items: list[Item] = []
         t0 = time.perf_counter()
-        for text in settings.texts:
-            for seed in settings.seeds:
-                req = settings.request(self.model, text, seed)
-                codes, cap = generate_codes(self.model, req)
-                self.items.append(Item(req, codes, cap, teacher_forced(self.model, req, codes)))
+        reqs = [settings.request(self.model, text, seed) for text in settings.texts for seed in settings.seeds]
+        for req, (codes, cap) in zip(reqs, generate_codes_batched(self.model, reqs), strict=True):
+            self.items.append(Item(req, codes, cap, teacher_forced(self.model, req, codes)))
         for item in self.items[: settings.audio_items]:
             item.audio = decode(self.model, item.codes)
         progress(f"reference: {len(self.items)} items, {sum(len(i.codes) for i in self.items)} "
@@ -110,11 +108,11 @@ class Reference:
     def calibration(self) -> list[tuple[SpeechRequest, np.ndarray]]:
         """(request, codes) the reference generates for the calibration texts (GPTQ)."""
         if self._calibration is None:
-            self._calibration = []
-            for i, text in enumerate(self.settings.calibration_texts):
-                req = replace(self.settings.request(self.model, text, 10_000 + i),
-                              max_new_tokens=self.settings.calibration_frames)  # fmt: skip
-                self._calibration.append((req, generate_codes(self.model, req)[0]))
+            reqs = [replace(self.settings.request(self.model, text, 10_000 + i),
+                            max_new_tokens=self.settings.calibration_frames)
+                    for i, text in enumerate(self.settings.calibration_texts)]  # fmt: skip
+            runs = generate_codes_batched(self.model, reqs)
+            self._calibration = [(req, codes) for req, (codes, _) in zip(reqs, runs, strict=True)]
         return self._calibration
 
     def calibrate(self, model) -> None:
@@ -129,9 +127,9 @@ class Reference:
         if decoder_identical is None:
             decoder_identical = same_decoder(self.model, model)
         per_item: dict[str, list] = {}
-        for k, item in enumerate(self.items):
+        runs = generate_codes_batched(model, [item.req for item in self.items])
+        for k, (item, (codes, cap)) in enumerate(zip(self.items, runs, strict=True)):
             row = compare_forced(item.forced, teacher_forced(model, item.req, item.codes))
-            codes, cap = generate_codes(model, item.req)
             row.update(compare_runs(item.codes, codes, cap, item.hit_cap))
             if item.audio is not None:
                 row.update(audio_metrics(model, item, codes, decoder_identical, self.sample_rate))
@@ -152,9 +150,9 @@ class Reference:
     def noise_floor(self) -> dict[str, list]:
         """The reference against itself from other seeds: free-running and audio metrics."""
         per_item: dict[str, list] = {}
-        for item in self.items:
-            req = replace(item.req, seed=item.req.seed + self.settings.noise_seed_offset)
-            codes, cap = generate_codes(self.model, req)
+        reqs = [replace(item.req, seed=item.req.seed + self.settings.noise_seed_offset) for item in self.items]
+        runs = generate_codes_batched(self.model, reqs)
+        for item, (codes, cap) in zip(self.items, runs, strict=True):
             row = compare_runs(item.codes, codes, cap, item.hit_cap)
             if item.audio is not None:
                 row.update(_free_audio(decode(self.model, codes), item.req.input, self.sample_rate))

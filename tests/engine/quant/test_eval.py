@@ -16,13 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qwen3_tts_engine.models.components import COMPONENTS, only
+from qwen3_tts_engine.models.components import only
 from qwen3_tts_engine.models.recipes import RECIPES, load_recipe
 from qwen3_tts_engine.protocol import SpeechRequest
 from qwen3_tts_engine.quant.candidates import Candidate, build, load_dir
 from qwen3_tts_engine.quant.evaluate import EvalSettings, Reference, evaluate
 from qwen3_tts_engine.quant.forced import _allowed_cb0, teacher_forced
-from qwen3_tts_engine.quant.free_running import generate_codes
+from qwen3_tts_engine.quant.free_running import generate_codes, generate_codes_batched
 from qwen3_tts_engine.worker.loading import component_paths
 
 TEXTS = EvalSettings().texts
@@ -46,6 +46,18 @@ def test_teacher_forcing_reproduces_greedy_generation(tiny_checkpoint):
     assert (allowed[forced.cb0.argmax(-1)][:20] == codes[:, 0]).all()
     assert (forced.cp.argmax(-1) == codes[:, 1:]).all()
     assert forced.cb0.shape[0] == 21 and forced.eos.shape == (21,)  # one row after the last frame
+
+
+def test_batched_generation_gives_each_request_its_own_codes(tiny_checkpoint):
+    """GPTQ's calibration runs its texts in one batch (max_batch 2 here: one waits): the codes
+    are those each request gets alone, and where each stopped."""
+    model = load_dir(tiny_checkpoint())
+    reqs = [SpeechRequest(input=t, voice="ryan", language="english", seed=7 + i, max_new_tokens=10 + 3 * i)
+            for i, t in enumerate(TEXTS[:3])]  # fmt: skip
+    batched = generate_codes_batched(model, reqs, max_batch=2)
+    for req, (codes, hit_cap) in zip(reqs, batched, strict=True):
+        alone, alone_cap = generate_codes(model, req)
+        assert codes.shape == alone.shape and (codes == alone).all() and hit_cap == alone_cap
 
 
 def test_reference_against_itself_and_fewer_bits_hurt_more(tiny_checkpoint):
@@ -89,6 +101,12 @@ def _corrupt(src: Path, dst: Path, component: str) -> Path:
     return dst
 
 
+# four of the nine components (each one costs two candidates): the two corrupted ones below and
+# two that hold as many weights (every talker layer's MLP; the talker's last layer overlaps
+# talker-attention)
+ABLATED = ["talker-attention", "talker-mlp", "talker-last-layer", "code-predictor"]
+
+
 @pytest.mark.parametrize("component", ["talker-attention", "code-predictor"])
 def test_ablation_ranks_the_corrupted_component_first(tiny_checkpoint, tmp_path, component):
     from qwen3_tts_engine.quant.ablate import ablate
@@ -96,14 +114,15 @@ def test_ablation_ranks_the_corrupted_component_first(tiny_checkpoint, tmp_path,
     src = tiny_checkpoint()
     donor = _corrupt(src, tmp_path / "corrupted", component)
     settings = EvalSettings(**{**SMALL, "texts": TEXTS[:2], "max_new_tokens": 8})
-    report = ablate(src, donor=donor, settings=settings, progress=print)
+    report = ablate(src, donor=donor, components=ABLATED, settings=settings, progress=print)
     ranking = report["ablation"]["ranking"]
     print([(r["component"], round(r["damage_only"], 5)) for r in ranking])
     assert ranking[0]["component"] == component
     assert ranking[0]["damage_only"] > 0.0
     # grafting everything but the corrupted component changes nothing
     assert ranking[0]["damage_all_but"] == 0.0
-    assert len(report["candidates"]) == 2 * len(COMPONENTS)
+    assert len(report["candidates"]) == 2 * len(ABLATED)
+    assert sorted(r["component"] for r in ranking) == sorted(ABLATED)
 
 
 def test_gptq_lowers_code_predictor_kl_versus_round_to_nearest(tiny_checkpoint):
