@@ -46,8 +46,7 @@ fi
 # Import contracts (pyproject.toml [tool.importlinter]): the engine never imports LiveKit, its
 # layers point one way, the agent uses its public API only.
 .venv/bin/lint-imports
-# Two pytest workers (pytest-xdist), one test file at a time each, on CI's 2 cores. Three were
-# faster (664 -> 524-637 s, docs/benchmarks.md) but loaded the machine so that each of four runs
-# found a new race; those are fixed, and PYTEST_WORKERS=3 is the way to try again.
-# PYTEST_WORKERS=0: one process.
-exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+# Three pytest workers (pytest-xdist), one test file at a time each, on CI's 2 cores: many tests
+# wait on the servers they start, and two workers left 18 % of the CPU idle (three: 5 %; pytest
+# 675 -> 605 s, docs/benchmarks.md). PYTEST_WORKERS=2 for a lighter load, 0 for one process.
+exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"

@@ -141,6 +141,10 @@ class CallerLoop:
             # the answer goes on until the agent listens again (or leaves)
             await _until(lambda: identity not in call.room.remote_participants or (
                 call.listening_agent() is not None and time.monotonic() - first > 0.5), 60)  # fmt: skip
+            # the reply's transcript arrives when its text stream closes, which can be after the
+            # agent's state says it listens again: classify once it is here (an apology read as
+            # an empty "answer" kept the outage going for half a minute)
+            await _until(lambda: call.text_after(end), 10)
             text = call.text_after(end)
             outcome = ("apology" if APOLOGY_WORDS in text else "greeting" if GREETING_WORDS in text
                        and "noon" not in text else "answer")  # fmt: skip
