@@ -23,6 +23,9 @@ pytestmark = pytest.mark.slow
 MB = 1 << 20
 LIMIT = 1300 * MB
 DOWNGRADE_AT = 0.75
+# the pressure each step down starts from: with any worker's footprint (>= 91 MB) past the
+# policy's 0.95 for both at once, so each swap breaks before it makes
+PRESSURE = 0.88
 
 BALLAST = """
 import sys
@@ -170,17 +173,30 @@ def test_real_memory_pressure_makes_the_engine_step_down(tiny_checkpoint):
                     g = c.get("/v1/engine/status").json()["governor"]
                 return g
 
-            # The ballast grows in 16 MB steps until the governor has stepped down twice (or
-            # usage gets close to the limit, which would fail the test rather than OOM-kill).
+            def variant(name: str) -> None:  # the operator's pin ("auto" unpins)
+                r = c.post("/v1/engine/variant", json={"variant": name})
+                assert r.status_code == 200 and r.json()["swap"] is None, r.text
+
+            # Each step down: with the variant pinned (the governor only watches), the ballast
+            # grows in 16 MB steps to PRESSURE (or until usage gets close to the limit, which
+            # would fail the test rather than OOM-kill); then the pin is lifted and the governor
+            # decides on that steady reading, however fast the ballast grew.
             ballast = cg.spawn([sys.executable, "-c", BALLAST], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True)  # fmt: skip
             grown = 0
             for n in (1, 2):
+                variant(g["active_variant"])
+                g = c.get("/v1/engine/status").json()["governor"]
+                while g["pressure"]["pressure"] < PRESSURE and int(cg.usage_file.read_text()) < 0.9 * LIMIT:
+                    ballast.stdin.write("16\n")
+                    ballast.stdin.flush()
+                    grown = int(ballast.stdout.readline())
+                    time.sleep(0.05)
+                    g = c.get("/v1/engine/status").json()["governor"]
+                    assert engine.poll() is None and ballast.poll() is None
+                assert g["pressure"]["pressure"] >= DOWNGRADE_AT and not g["history"][n - 1 :] and g["pinned"], g
+                variant("auto")
                 while len(g["history"]) < n and g["swapping"] is None:
-                    if int(cg.usage_file.read_text()) < 0.9 * LIMIT:
-                        ballast.stdin.write("16\n")
-                        ballast.stdin.flush()
-                        grown = int(ballast.stdout.readline())
                     time.sleep(0.05)
                     g = c.get("/v1/engine/status").json()["governor"]
                     assert engine.poll() is None and ballast.poll() is None
