@@ -245,7 +245,10 @@ def test_qwen3_tts_bench_concurrency(tiny_checkpoint):
     # the sizing `serve` would admit by: slots follow from the steps the server measured
     sizing = report["realtime_slots"]
     assert sizing["frame_budget_ms"] == 80 and 1 <= sizing["slots"] <= 2
-    assert {"1", "2"} <= set(sizing["measured_step_s"]) and set(sizing["step_s"]) == {"1", "2"}
+    # a 2-row step is measured only if the two 4-frame streams shared a step, which a busy
+    # machine need not give (one ended before the other joined); the model predicts every size
+    assert "1" in sizing["measured_step_s"] and set(sizing["measured_step_s"]) <= {"1", "2"}
+    assert set(sizing["step_s"]) == {"1", "2"}
     fits = [n for n in (2,) if sizing["step_s"][str(n)] <= 0.08]
     assert sizing["slots"] == (2 if fits else 1)
 
