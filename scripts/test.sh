@@ -16,12 +16,14 @@ declare -A installing=(
   ["promtool"]=scripts/install_promtool.sh
 )
 declare -A installer_pid=()
+missing_tools=()
 for what in "${!installing[@]}"; do bash "${installing[$what]}" & installer_pid[$what]=$!; done
-for what in "${!installer_pid[@]}"; do
-  if ! wait "${installer_pid[$what]}"; then
-    if in_ci; then echo "ERROR: CI is set and $what could not be installed (see above)" >&2; exit 1; fi
-    echo "WARNING: $what missing: the tests that need it will be skipped" >&2
-  fi
+for what in "${!installer_pid[@]}"; do  # every installer has ended before this goes on
+  wait "${installer_pid[$what]}" || missing_tools+=("$what")
+done
+for what in "${missing_tools[@]}"; do
+  if in_ci; then echo "ERROR: CI is set and $what could not be installed (see above)" >&2; exit 1; fi
+  echo "WARNING: $what missing: the tests that need it will be skipped" >&2
 done
 export LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE=0 HF_HUB_OFFLINE=1
 # One BLAS/OpenMP thread per process: the suite's parallelism is its pytest workers and the
