@@ -179,6 +179,9 @@ class Handler:
         spec = msg.WorkerSpec(model=self.model, variant=self.requested_variant,
                               warmup=self.warmup, nice=self.nice, max_batch=self.max_batch,
                               compute_dtype=self.compute_dtype, step_delay_s=self.step_delay_s)  # fmt: skip
+        # from before the spawn: a forked worker starts loading before spawn_worker returns here
+        # (its load_s, on its own clock, could otherwise exceed start_s on a busy machine)
+        t0 = time.perf_counter()
         if spare is not None and spare.take(self.nice):
             self._proc, parent = spare.proc, spare.conn
             parent.send(spec)
@@ -191,7 +194,6 @@ class Handler:
         self._conn = parent
         self._control = asyncio.Queue()
         threading.Thread(target=self._read, args=(parent, self._proc), daemon=True).start()
-        t0 = time.perf_counter()
         try:
             answer = await asyncio.wait_for(self._control.get(), self.load_timeout)
         except TimeoutError:
