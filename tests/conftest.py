@@ -138,7 +138,7 @@ def pytest_runtest_makereport(item, call):
 # -- the longest files first ---------------------------------------------------------------------
 
 # Files that take longest on 2 cores (sums of `--durations=0` in a fresh CI run), in that order.
-# scripts/test.sh runs three workers, a file at a time each, in collection order
+# scripts/test.sh runs two workers, a file at a time each, in collection order
 # (`--dist loadfile --no-loadscope-reorder`): started first, they finish alongside the rest
 # instead of running alone at the end. Only the order changes; a file not listed keeps its place.
 LONGEST_FIRST = (
