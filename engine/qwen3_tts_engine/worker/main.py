@@ -233,9 +233,10 @@ class _Server:
                                            step_delay_s=self.step_delay_s)  # fmt: skip
                 continue
             self._send_events(events)
-            self._report()
+            # A worker about to block (nothing runnable: idle, or every stream waiting for text
+            # or paused) reports now; else status would show its last busy second until it woke.
+            self._report(force=not (self.live and self.scheduler.runnable))
             if not self.live:
-                self._report(force=True)
                 # Between utterances the process keeps only what the next one needs: the
                 # vocoder's activations otherwise stay in mlx's cache and glibc's heap (~130 MB
                 # on the real 0.6B), which the footprint and the memory limit both count.
