@@ -12,17 +12,14 @@ import logging
 import os
 import sys
 import threading
-import time
-from collections.abc import Mapping
 
-import httpx
 from livekit.agents import AgentServer, JobContext, JobProcess, cli
 from livekit.agents.beta.tools import EndCallTool
 from livekit.agents.telemetry import set_tracer_provider
 from livekit.agents.voice.room_io import RoomOptions
 from livekit.agents.worker import _DefaultLoadCalc
 
-from voice_agent.fleet_load import FleetPoller, engine_load
+from voice_agent.fleet_load import FleetPoller
 from voice_agent.observability import TurnMetrics, tracer_provider_from_env
 from voice_agent.pipeline import VoiceAgent, build_session, build_stt, build_vad
 from voice_agent.recovery import CallRecord, chat_context, is_resume_dispatch
@@ -31,70 +28,6 @@ from voice_agent.settings import Settings, parse_dtmf_actions
 from voice_agent.telephony import PhoneCall, PhoneCaller
 
 logger = logging.getLogger("voice_agent")
-STALE_AFTER_S = 5.0  # no engine status for this long: the engine counts as saturated
-
-
-def worker_load(cpu: float, status: Mapping | None, capacity: int, *, stale: bool = False) -> float:
-    """What the worker reports to LiveKit: the busier of this host's CPU and its TTS engine
-    (an engine that has not answered for STALE_AFTER_S counts as saturated)."""
-    return min(1.0, max(cpu, 1.0 if stale else engine_load(status, capacity)))
-
-
-class EnginePoller:
-    """Polls `GET {url}/v1/engine/status` on a daemon thread every `interval` seconds and keeps
-    the last answer, so `load_fnc` never waits on the network. An engine without the endpoint
-    (vLLM-Omni: 404) adds nothing; an unreachable one reads as saturated once stale."""
-
-    def __init__(self, url: str, *, interval: float = 1.0, timeout: float = 2.0,
-                 api_key: str | None = None) -> None:  # fmt: skip
-        self.url = url.rstrip("/") + "/v1/engine/status"
-        self.interval, self.timeout = interval, timeout
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.status: dict | None = None
-        self.last_ok: float | None = None
-        self.supported = True
-        self._started = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tts-engine-status", daemon=True)
-
-    def start(self) -> EnginePoller:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def poll_once(self, client: httpx.Client) -> None:
-        try:
-            r = client.get(self.url, headers=self.headers, timeout=self.timeout)
-        except httpx.HTTPError as e:
-            logger.debug("engine status %s: %s", self.url, e)
-            return
-        if r.status_code == 404:
-            if self.supported:
-                logger.info("the TTS engine has no %s: load is CPU only", self.url)
-            self.supported = False
-        elif r.status_code == 200:
-            self.status, self.last_ok, self.supported = r.json(), time.monotonic(), True
-        else:
-            logger.debug("engine status %s: HTTP %d", self.url, r.status_code)
-
-    @property
-    def stale(self) -> bool:
-        if not self.supported:
-            return False
-        since = self.last_ok if self.last_ok is not None else self._started
-        return time.monotonic() - since > STALE_AFTER_S
-
-    def _run(self) -> None:
-        with httpx.Client() as client:
-            while not self._stop.is_set():
-                try:
-                    self.poll_once(client)
-                except Exception as e:  # a body that is not JSON, ...: keep polling
-                    logger.warning("engine status %s: %s: %s", self.url, type(e).__name__, e)
-                self._stop.wait(self.interval)
-
 
 _poller: FleetPoller | None = None
 _poller_lock = threading.Lock()

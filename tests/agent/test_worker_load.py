@@ -1,4 +1,5 @@
-"""The load a worker reports to LiveKit: CPU, the TTS engine's queue and its memory pressure."""
+"""The load a worker reports to LiveKit: CPU and its TTS fleet (every engine's free slots, queue
+and memory pressure: voice_agent.fleet_load)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import pytest
 
 from qwen3_tts_engine.governor.policy import Policy
 from tests.support.engine_process import EngineProcess, free_port
-from voice_agent.fleet_load import FleetPoller, fleet_load
-from voice_agent.worker import EnginePoller, engine_load, worker_load
+from voice_agent.fleet_load import FleetPoller, engine_load, fleet_load
 
 
 def _status(*depths: int, pressure: float | None = None, **policy) -> dict:
@@ -53,16 +53,8 @@ def test_memory_pressure_between_the_governors_watermarks():
     assert engine_load(_status(3, pressure=0.80), 4) == 0.75
 
 
-def test_worker_load_is_the_busier_of_cpu_and_engine():
-    assert worker_load(0.2, _status(0), 4) == 0.2
-    assert worker_load(0.2, _status(2), 4) == 0.5
-    assert worker_load(0.9, _status(2), 4) == 0.9
-    assert worker_load(1.5, None, 4) == 1.0
-    assert worker_load(0.1, _status(0), 4, stale=True) == 1.0  # a silent engine: saturated
-
-
 class _Clock:
-    """The worker module's `time`, with a monotonic clock the test moves (staleness is a duration:
+    """The fleet poller module's `time`, with a monotonic clock the test moves (staleness is a duration:
     read on a clock the test sets, it does not depend on how fast this machine runs)."""
 
     def __init__(self) -> None:
@@ -73,17 +65,18 @@ class _Clock:
 
 
 def test_poller_without_an_engine_goes_stale(monkeypatch):
-    import voice_agent.worker as worker
+    import voice_agent.fleet_load as fleet
 
     clock = _Clock()
-    monkeypatch.setattr(worker, "time", clock)
-    poller = EnginePoller(f"http://127.0.0.1:{free_port()}", interval=0.05, timeout=0.5).start()
+    monkeypatch.setattr(fleet, "time", clock)
+    poller = FleetPoller([f"http://127.0.0.1:{free_port()}"], interval=0.05, timeout=0.5).start()
     try:
-        assert not poller.stale  # just started
-        clock.now += worker.STALE_AFTER_S
+        assert not poller.stale and poller.load(4) == 0.0  # just started: nothing heard yet
+        clock.now += fleet.STALE_AFTER_S
         assert not poller.stale  # not yet: stale is *longer* than STALE_AFTER_S without an answer
         clock.now += 0.001
-        assert poller.status is None and poller.stale
+        assert poller.statuses == {} and poller.stale
+        assert poller.load(4) == 1.0  # a silent fleet: saturated, whatever the CPU
     finally:
         poller.stop()
 
@@ -95,15 +88,19 @@ def test_poller_reads_a_real_engine(tiny_checkpoint):
     hang guard; the requests are long enough to be in flight until the poller has seen them,
     and then cancelled."""
     engine = EngineProcess(tiny_checkpoint("custom_voice"), None, "--no-governor").start()
-    poller = EnginePoller(engine.url, interval=0.1, timeout=60).start()  # a busy host's slow answer is fine
+    poller = FleetPoller([engine.url], interval=0.1, timeout=60).start()  # a busy host's slow answer is fine
+
+    def status() -> dict | None:
+        return poller.statuses.get(engine.url.rstrip("/"))
+
     try:
         deadline = time.monotonic() + 120  # a hang guard
-        while poller.status is None and time.monotonic() < deadline:
+        while status() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert poller.status is not None and not poller.stale, "no status from the engine"
+        assert status() is not None and not poller.stale, "no status from the engine"
         # --no-governor: no automatic swaps, but the governor still reads the host's memory
-        assert 0.0 <= poller.status["governor"]["pressure"]["pressure"]
-        assert engine_load({**poller.status, "governor": None}, 4) == 0.0  # an idle queue
+        assert 0.0 <= status()["governor"]["pressure"]["pressure"]
+        assert engine_load({**status(), "governor": None}, 4) == 0.0  # an idle queue
 
         async def busy() -> float:
             """Three long requests at once; the load the poller saw once all three were queued."""
@@ -120,7 +117,7 @@ def test_poller_reads_a_real_engine(tiny_checkpoint):
                 tasks = [asyncio.ensure_future(one(client)) for _ in range(3)]
                 try:
                     async with asyncio.timeout(120):  # a hang guard
-                        while (seen := engine_load({**poller.status, "governor": None}, 4)) < 0.75:
+                        while (seen := engine_load({**status(), "governor": None}, 4)) < 0.75:
                             assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
                             await asyncio.sleep(0.05)
                 finally:

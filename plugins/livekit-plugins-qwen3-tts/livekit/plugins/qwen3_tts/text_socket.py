@@ -35,6 +35,7 @@ from .protocol import (
     SPEECH_STREAM_SUBPROTOCOL,
     stream_error,
 )
+from .replay import play_unheard
 from .segment_text import SegmentText
 
 
@@ -184,17 +185,10 @@ class TextSocket:
                     f"no answer for {self._conn.timeout:g} s after {received} bytes"
                 ) from None
             if msg.type == aiohttp.WSMsgType.BINARY:
-                data = msg.data
-                # Bytes up to report.delivered_bytes were played from an endpoint that failed.
-                skip = min(len(data), max(0, report.delivered_bytes - received))
-                received += len(data)
-                report.skipped_bytes += skip
-                if skip < len(data):
-                    if report.first_audio_s is None:
-                        report.first_audio_s = time.perf_counter() - t0
-                        report.first_audio_before_end = not self._ended
-                    self._deliver(data[skip:])
-                    report.delivered_bytes += len(data) - skip
+                play_unheard(report, msg.data, received, t0, self._deliver)
+                received += len(msg.data)
+                if report.first_audio_before_end is None and report.first_audio_s is not None:
+                    report.first_audio_before_end = not self._ended
                 continue
             if msg.type == aiohttp.WSMsgType.ERROR:
                 if isinstance(msg.data, TimeoutError):  # no pong: the peer stalled

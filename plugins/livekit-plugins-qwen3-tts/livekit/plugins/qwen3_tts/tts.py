@@ -56,6 +56,7 @@ from .protocol import (
     normalize_language,
     retry_after_s,
 )
+from .replay import play_unheard
 from .segment_text import SegmentText
 from .text_socket import NoTextStreaming, TextSocket, TextStreamReport
 
@@ -479,15 +480,8 @@ class TTS(tts.TTS):
                         raise Stalled(stall) from None
                     if data is None:
                         break
-                    # Bytes up to report.delivered_bytes were played from an endpoint that died.
-                    skip = min(len(data), max(0, report.delivered_bytes - received))
+                    play_unheard(report, data, received, t0, deliver)
                     received += len(data)
-                    report.skipped_bytes += skip
-                    if skip < len(data):
-                        if report.first_audio_s is None:
-                            report.first_audio_s = time.perf_counter() - t0
-                        deliver(data[skip:])
-                        report.delivered_bytes += len(data) - skip
         finally:
             await r.aclose()
 
