@@ -48,8 +48,7 @@ fi
 # Import contracts (pyproject.toml [tool.importlinter]): the engine never imports LiveKit, its
 # layers point one way, the agent uses its public API only.
 .venv/bin/lint-imports
-# Two pytest workers (pytest-xdist), one test file at a time each, on CI's 2 cores. Three are
-# faster (pytest 675 -> 493-620 s, docs/benchmarks.md) and keep the CPU busier, but the heavier
-# load has kept finding tests that depend on the machine's speed (three in seven fresh runs,
-# each fixed): PYTEST_WORKERS=3 runs three, 0 one process.
-exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
+# Three pytest workers (pytest-xdist), one test file at a time each, on CI's 2 cores: two leave
+# the CPU ~13 % idle (tests wait on servers and sockets) and ran 537-723 s in all on one commit;
+# three are 60-190 s faster (docs/benchmarks.md). PYTEST_WORKERS=2 runs two, 0 one process.
+exec .venv/bin/python -m pytest -n "${PYTEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder "$@"
