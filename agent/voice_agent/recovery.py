@@ -1,5 +1,6 @@
-"""A job's side of call recovery (see keeper.py): heartbeats to the keeper, and the conversation
-kept in the room's metadata so that an agent dispatched after a crash picks it up.
+"""A job's side of call recovery (see keeper.py): heartbeats to the keeper, the conversation
+kept in the room's metadata so that an agent dispatched after a crash picks it up, and one agent
+per call when a recovery brought two.
 
 The room's metadata is the one place that outlives the agent and that the next agent reads on
 joining without another service: `{"voice_agent": {"history": [{"role", "text"}, ...]}}`, the
@@ -12,10 +13,11 @@ import asyncio
 import datetime
 import json
 import logging
+from collections.abc import Iterable
 
 import aiohttp
 import httpx
-from livekit import api
+from livekit import api, rtc
 from livekit.agents import JobContext, llm
 
 logger = logging.getLogger("voice_agent")
@@ -43,6 +45,38 @@ def is_resume_dispatch(job_metadata: str | None) -> bool:
     except ValueError:
         return False
     return isinstance(data, dict) and data.get("resume") is True
+
+
+def yields_to(me: str, agents: Iterable[str]) -> str | None:
+    """The agent `me` leaves the call to, when other agents are in its room (None: it stays).
+
+    A call can get two agents: after a livekit-server restart the old agent reconnects to the
+    room its caller re-created, which LiveKit has dispatched again. Each agent decides alone,
+    by one rule both see alike: the smallest identity keeps the call."""
+    smaller = sorted(a for a in agents if a < me)
+    return smaller[0] if smaller else None
+
+
+def keep_one_agent(ctx: JobContext) -> None:
+    """End this job when another agent in the room keeps the call (`yields_to`): checked now,
+    when an agent joins, and after this job reconnects."""
+    if ctx.is_fake_job():  # console mode: no room on a server, one agent
+        return
+    room = ctx.room
+    left: list[str] = []
+
+    def check(*_args) -> None:
+        agents = [p.identity for p in room.remote_participants.values()
+                  if p.kind == rtc.ParticipantKind.PARTICIPANT_KIND_AGENT]  # fmt: skip
+        other = yields_to(room.local_participant.identity, agents)
+        if other is not None and not left:
+            left.append(other)
+            logger.warning("agent %s is in this call too and keeps it: this job ends", other)
+            ctx.shutdown(reason=f"another agent ({other}) serves this call")
+
+    room.on("participant_connected", check)
+    room.on("reconnected", check)
+    check()
 
 
 def metadata_with_history(metadata: str | None, history: list[dict]) -> str:

@@ -22,7 +22,7 @@ from livekit.agents.worker import _DefaultLoadCalc
 from voice_agent.fleet_load import FleetPoller
 from voice_agent.observability import TurnMetrics, tracer_provider_from_env
 from voice_agent.pipeline import VoiceAgent, build_session, build_stt, build_vad
-from voice_agent.recovery import CallRecord, chat_context, is_resume_dispatch
+from voice_agent.recovery import CallRecord, chat_context, is_resume_dispatch, keep_one_agent
 from voice_agent.services import LocalService, ensure_llm, ensure_tts_engine, resolve_offline
 from voice_agent.settings import Settings, parse_dtmf_actions
 from voice_agent.telephony import PhoneCall, PhoneCaller
@@ -78,6 +78,7 @@ server = AgentServer(setup_fnc=prewarm, load_fnc=load, initialize_process_timeou
 async def entrypoint(ctx: JobContext) -> None:
     settings = Settings.load()
     await ctx.connect()
+    keep_one_agent(ctx)  # a call that got two agents (a LiveKit restart) keeps one
     participant = await ctx.wait_for_participant()  # a person, or a phone call (kind SIP)
     caller = PhoneCaller.of(participant)
     vad = ctx.proc.userdata["phone_vad" if caller else "vad"]

@@ -27,6 +27,7 @@ from voice_agent.recovery import (
     HISTORY_TURNS,
     history_from_metadata,
     metadata_with_history,
+    yields_to,
 )
 
 pytestmark = [pytest.mark.filterwarnings("ignore:The HMAC key is .* bytes long")]
@@ -44,6 +45,15 @@ def test_the_conversation_lives_in_the_rooms_metadata():
     for junk in (None, "", "not json", "[1, 2]", '{"voice_agent": {"history": [{"role": "system", "text": "x"}, 5]}}'):
         assert history_from_metadata(junk) == []
     assert json.loads(metadata_with_history("plain text", history[:1]))["metadata"] == "plain text"
+
+
+def test_two_agents_in_a_call_agree_which_one_keeps_it():
+    """Each decides alone and they agree: exactly one of any set of agents stays."""
+    assert yields_to("agent-B", ["agent-A"]) == "agent-A" and yields_to("agent-A", ["agent-B"]) is None
+    trio = ["agent-AJ_x", "agent-AJ_b", "agent-AJ_q"]
+    assert [me for me in trio if yields_to(me, [a for a in trio if a != me]) is None] == ["agent-AJ_b"]
+    assert yields_to("agent-AJ_x", ["agent-AJ_q", "agent-AJ_b"]) == "agent-AJ_b"  # to the one that stays
+    assert yields_to("agent-A", []) is None
 
 
 async def _serve(keeper: CallKeeper, port: int) -> web.AppRunner:
