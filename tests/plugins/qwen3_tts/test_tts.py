@@ -74,6 +74,29 @@ async def test_three_sentences_stream_in_order_with_ttfb(engines):
     assert 0 < m[0].ttfb < m[0].duration
 
 
+@pytest.mark.parametrize("text_input", ["sentences", "stream"])
+async def test_text_with_nothing_to_say_is_not_sent(engines, text_input):
+    """A sentence of zero-width and control characters alone (an LLM may end a reply with one) is
+    refused by the engine (400): the plugin does not send it, and the reply is not failed after
+    its first sentence played (g22: "TTS failed after partial audio was already sent")."""
+    from livekit.plugins.qwen3_tts.protocol import has_speakable_text
+    from qwen3_tts_engine.protocol import has_speakable_text as engine_rule
+
+    nothing = "\u200b\u2060\ufeff\x07"
+    for text in (nothing, " \n", "", ".", "a", "\u00e9", "\u200bhi"):
+        assert has_speakable_text(text) == engine_rule(text), repr(text)  # the engine's rule
+    a, _ = engines
+    tts = _tts([a.url], text_input=text_input)
+    try:
+        # the reply's first clause is a request of its own; what follows it is the nothing
+        stream, audio = await stream_text(tts, ["Hello there, you,", nothing])
+        assert len(audio) > 0
+        said = [s.text for s in stream.sentences] + [r.text for r in stream.text_streams]
+        assert any("Hello there, you," in t for t in said) and all(has_speakable_text(t) for t in said), said
+    finally:
+        await tts.aclose()
+
+
 async def test_closing_the_stream_cancels_server_work(engines):
     import httpx
 

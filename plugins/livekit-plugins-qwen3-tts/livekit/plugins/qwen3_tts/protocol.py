@@ -13,6 +13,7 @@ engine that has it says `"streaming_text": true` in `GET /v1/engine/status`.
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,14 @@ _LANGUAGE_ALIASES = {
     "ru": "russian", "pt": "portuguese", "pt-br": "portuguese", "es": "spanish",
     "it": "italian",
 }  # fmt: skip
+
+
+def has_speakable_text(text: str) -> bool:
+    """The engine's rule for `input` (qwen3_tts_engine.protocol.has_speakable_text): a character
+    that is not a control, format (zero-width, BOM), separator or space character. Text of only
+    those is refused with 400; the plugin sends none (an LLM may end a reply with a zero-width
+    character)."""
+    return any(unicodedata.category(c)[0] not in "CZ" for c in text)
 
 
 def normalize_language(value: str | None) -> str:

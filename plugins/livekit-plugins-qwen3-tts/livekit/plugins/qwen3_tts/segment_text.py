@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+from .protocol import has_speakable_text
+
 
 class SegmentText:
     """Pieces of text in arrival order, then an end. Any number of readers, each from any index."""
@@ -35,9 +37,9 @@ class SegmentText:
         self._changed = asyncio.get_running_loop().create_future()
 
     async def has_words(self) -> bool:
-        """Wait until the text holds more than whitespace (True) or ends without (False)."""
+        """Wait until the text holds something to say (True) or ends without (False)."""
         async for _ in self.read():
-            if self.text.strip():
+            if has_speakable_text(self.text):
                 return True
         return False
 

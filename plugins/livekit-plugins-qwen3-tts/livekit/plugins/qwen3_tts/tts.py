@@ -53,6 +53,7 @@ from .protocol import (
     MSG_SESSION_START,
     SAMPLE_RATE,
     error_message,
+    has_speakable_text,
     normalize_language,
     retry_after_s,
 )
@@ -656,7 +657,7 @@ class SynthesizeStream(tts.SynthesizeStream):
         async def launch() -> None:
             async for ev in sentences:
                 text = ev.token.strip()
-                if not text:
+                if not has_speakable_text(text):  # the engine would refuse it (400)
                     continue
                 await slots.acquire()
                 report = SentenceReport(text)
