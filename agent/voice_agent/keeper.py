@@ -208,10 +208,11 @@ class CallKeeper:
             self.sockets.discard((room, identity))
         if state != "ended" and not self._stopping:
             watch = self.rooms.get(room)
-            if watch is not None and identity in watch.agents:
+            # with a decision about the room in flight, the agent stays on watch: its heartbeat
+            # timeout decides it after that one (a lost agent is never dropped undecided)
+            if watch is not None and identity in watch.agents and self._decide(
+                    room, f"no heartbeat from {identity}: its connection closed without a goodbye", identity):
                 del watch.agents[identity]
-                self._decide(room, f"no heartbeat from {identity}: its connection closed without "
-                             "a goodbye", identity)  # fmt: skip
         return ws
 
     def _beat(self, room: str, identity: str, state: str | None) -> None:
@@ -272,27 +273,28 @@ class CallKeeper:
 
     def check(self, now: float) -> None:
         for name, watch in list(self.rooms.items()):
-            for identity, beat in list(watch.agents.items()):
-                if now - beat > self.heartbeat_timeout:
+            for identity, beat in list(watch.agents.items()):  # undecided (room busy): next check
+                if now - beat > self.heartbeat_timeout and self._decide(
+                        name, f"no heartbeat from {identity} for {now - beat:.1f}s", identity):
                     del watch.agents[identity]
-                    self._decide(name, f"no heartbeat from {identity} for {now - beat:.1f}s", identity)
             for identity, at in list(watch.left.items()):
-                if now - at >= LEFT_GRACE:
+                if now - at >= LEFT_GRACE and self._decide(name, f"agent {identity} left the room", identity):
                     del watch.left[identity]
-                    self._decide(name, f"agent {identity} left the room", identity)
             waited = now - max(watch.started, watch.last_dispatch or watch.started)
             if not watch.agents and not watch.left and now >= watch.quiet_until and waited > self.dispatch_wait:
                 self._decide(name, f"no agent after {waited:.1f}s", None)
 
-    def _decide(self, room: str, reason: str, lost: str | None) -> None:
+    def _decide(self, room: str, reason: str, lost: str | None) -> bool:
+        """Start a recovery of `room`; False (nothing done) while one is in flight for it."""
         if room in self._busy:
-            return
+            return False
         self._busy.add(room)
         self.decisions.append((room, reason))
         watch = self.rooms.setdefault(room, RoomWatch(started=time.monotonic()))
         watch.last_dispatch = time.monotonic()  # also paces retries when nobody is there
         task = asyncio.create_task(self._recover(room, reason, lost, watch))
         task.add_done_callback(lambda _t: self._busy.discard(room))
+        return True
 
     async def _recover(self, room: str, reason: str, lost: str | None, watch: RoomWatch) -> None:
         """Remove the lost agent (if any); dispatch a new one if a caller is still there. `watch`:
