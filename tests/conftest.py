@@ -135,12 +135,29 @@ def pytest_runtest_makereport(item, call):
     report.longrepr = f"skipped, and CI is set (CI must run every test; install what it needs): {reason}"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same rule for a skip while collecting (a module-level `pytest.importorskip` or
+    `pytest.skip(..., allow_module_level=True)`): under CI the module is a collection error,
+    which fails the run with the reason; locally it stays a skip."""
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and in_ci()):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if any(r in reason for r in NOT_FOR_THIS_PLATFORM):
+        return
+    report.outcome = "failed"
+    report.longrepr = f"{collector.nodeid} skipped at collection, and CI is set (CI must run every test): {reason}"
+
+
 # -- the longest files first ---------------------------------------------------------------------
 
 # Files that take longest on 2 cores (sums of `--durations=0` in a fresh CI run), in that order.
-# scripts/test.sh runs two workers, a file at a time each, in collection order
-# (`--dist loadfile --no-loadscope-reorder`): started first, they finish alongside the rest
-# instead of running alone at the end. Only the order changes; a file not listed keeps its place.
+# scripts/test.sh runs three workers (`PYTEST_WORKERS`, default 3), a file at a time each, in
+# collection order (`--dist loadfile --no-loadscope-reorder`): started first, they finish
+# alongside the rest instead of running alone at the end. Only the order changes; a file not
+# listed keeps its place.
 LONGEST_FIRST = (
     "tests/system/test_soak.py",
     "tests/engine/quant/test_eval.py",

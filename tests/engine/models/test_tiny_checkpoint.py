@@ -6,18 +6,15 @@ import hashlib
 import json
 from pathlib import Path
 
+import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
+from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import Qwen3TTSSpeechTokenizer
+from mlx_audio.tts.utils import load_model
 
-mx = pytest.importorskip("mlx.core")
-nn = pytest.importorskip("mlx.nn")
-pytest.importorskip("mlx_audio")
-
-from mlx.utils import tree_flatten  # noqa: E402
-from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import Qwen3TTSSpeechTokenizer  # noqa: E402
-from mlx_audio.tts.utils import load_model  # noqa: E402
-
-from qwen3_tts_engine.tiny_checkpoints.builder import (  # noqa: E402
+from qwen3_tts_engine.tiny_checkpoints.builder import (
     VARIANTS,
     tiny_config,
     write_tiny_checkpoint,
