@@ -24,6 +24,7 @@ from livekit.plugins import faster_whisper, qwen3_tts, silero
 
 from voice_agent.observability import APOLOGIES
 from voice_agent.settings import Settings
+from voice_agent.text_filters import TTS_TEXT_TRANSFORMS
 from voice_agent.turn_rules import RuleTurnDetector
 
 logger = logging.getLogger("voice_agent")
@@ -136,6 +137,7 @@ def build_session(settings: Settings, *, tts_url: str, llm_url: str, vad=None, s
                                       "preemptive_tts": settings.preemptive_tts},
         },  # fmt: skip
         user_away_timeout=None,
+        tts_text_transforms=TTS_TEXT_TRANSFORMS,  # LiveKit's, and zero-width/control characters out
         # LiveKit's default timeouts (10 s) would count a busy shared engine's queue, or a local
         # whisper pass on a loaded CPU, as a stall
         conn_options=SessionConnectOptions(

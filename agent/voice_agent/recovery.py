@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import aiohttp
 import httpx
 from livekit import api, rtc
-from livekit.agents import JobContext, llm
+from livekit.agents import JobContext, JobRequest, llm
 
 logger = logging.getLogger("voice_agent")
 KEY = "voice_agent"
@@ -47,31 +47,62 @@ def is_resume_dispatch(job_metadata: str | None) -> bool:
     return isinstance(data, dict) and data.get("resume") is True
 
 
-def yields_to(me: str, agents: Iterable[str]) -> str | None:
-    """The agent `me` leaves the call to, when other agents are in its room (None: it stays).
+# This project's voice agents carry their agent name in this attribute, set when a job is
+# accepted (`accept_job`): LiveKit drops empty attributes, so `lk.agent.name` is missing for the
+# usual unnamed dispatch and cannot tell our agents from a bystander's.
+ATTRIBUTE_VOICE_AGENT = "voice_agent.name"
 
-    A call can get two agents: after a livekit-server restart the old agent reconnects to the
-    room its caller re-created, which LiveKit has dispatched again. Each agent decides alone,
-    by one rule both see alike: the smallest identity keeps the call."""
-    smaller = sorted(a for a in agents if a < me)
-    return smaller[0] if smaller else None
+
+def voice_agent_mark(agent_name: str) -> str:
+    return agent_name or "-"
+
+
+async def accept_job(request: JobRequest) -> None:
+    """AgentServer's on_request: accept as LiveKit does, marked as one of this project's agents."""
+    await request.accept(attributes={ATTRIBUTE_VOICE_AGENT: voice_agent_mark(request.agent_name)})
+
+
+# An agent's place in a call: (when it joined, ms since the epoch as the server stamped it;
+# its identity). An unknown join time sorts last; the identity breaks ties.
+Seat = tuple[int, str]
+NOT_JOINED = 2**63
+
+
+def seat(participant: rtc.Participant) -> Seat:
+    joined = participant.joined_at
+    return (round(joined.timestamp() * 1000) if joined else NOT_JOINED, participant.identity)
+
+
+def yields_to(me: Seat, agents: Iterable[Seat]) -> str | None:
+    """The identity of the agent `me` leaves the call to, when other agents of this project are
+    in its room (None: it stays).
+
+    A call can get two voice agents: after a livekit-server restart the old agent reconnects to
+    the room its caller re-created, which LiveKit has dispatched again. Each agent decides alone,
+    by one rule both see alike: the one that joined first keeps the call (an agent that rejoins
+    after a network cut is the newer one), the smaller identity at the same instant."""
+    earlier = sorted(a for a in agents if a < me)
+    return earlier[0][1] if earlier else None
 
 
 def keep_one_agent(ctx: JobContext) -> None:
-    """End this job when another agent in the room keeps the call (`yields_to`): checked now,
-    when an agent joins, and after this job reconnects."""
+    """End this job when another agent of this project (the same agent name) in the room keeps
+    the call (`yields_to`): checked now, when an agent joins, and after this job reconnects.
+    Agents of other names (a note-taker, a transcription bot) are bystanders: they change nothing."""
     if ctx.is_fake_job():  # console mode: no room on a server, one agent
         return
     room = ctx.room
+    mark = voice_agent_mark(ctx.job.agent_name)
     left: list[str] = []
 
     def check(*_args) -> None:
-        agents = [p.identity for p in room.remote_participants.values()
-                  if p.kind == rtc.ParticipantKind.PARTICIPANT_KIND_AGENT]  # fmt: skip
-        other = yields_to(room.local_participant.identity, agents)
+        ours = [seat(p) for p in room.remote_participants.values()
+                if p.kind == rtc.ParticipantKind.PARTICIPANT_KIND_AGENT
+                and p.attributes.get(ATTRIBUTE_VOICE_AGENT) == mark]  # fmt: skip
+        other = yields_to(seat(room.local_participant), ours)
         if other is not None and not left:
             left.append(other)
-            logger.warning("agent %s is in this call too and keeps it: this job ends", other)
+            logger.warning("agent %s joined this call first and keeps it: this job ends", other)
             ctx.shutdown(reason=f"another agent ({other}) serves this call")
 
     room.on("participant_connected", check)

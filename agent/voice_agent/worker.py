@@ -22,7 +22,13 @@ from livekit.agents.worker import _DefaultLoadCalc
 from voice_agent.fleet_load import FleetPoller
 from voice_agent.observability import TurnMetrics, tracer_provider_from_env
 from voice_agent.pipeline import VoiceAgent, build_session, build_stt, build_vad
-from voice_agent.recovery import CallRecord, chat_context, is_resume_dispatch, keep_one_agent
+from voice_agent.recovery import (
+    CallRecord,
+    accept_job,
+    chat_context,
+    is_resume_dispatch,
+    keep_one_agent,
+)
 from voice_agent.services import LocalService, ensure_llm, ensure_tts_engine, resolve_offline
 from voice_agent.settings import Settings, parse_dtmf_actions
 from voice_agent.telephony import PhoneCall, PhoneCaller
@@ -74,7 +80,7 @@ def prewarm(proc: JobProcess) -> None:
 server = AgentServer(setup_fnc=prewarm, load_fnc=load, initialize_process_timeout=60.0)
 
 
-@server.rtc_session()
+@server.rtc_session(on_request=accept_job)  # marked as ours: recovery.keep_one_agent
 async def entrypoint(ctx: JobContext) -> None:
     settings = Settings.load()
     await ctx.connect()

@@ -208,3 +208,18 @@ def test_run_command_runs_the_demo_offline(tmp_path):
     assert "time" in turn["transcript"].lower()
     assert any("RANDOM" in n for n in report["notes"])
     assert turn["voice_to_voice_s"] is not None and out.is_file()
+
+
+async def test_a_reply_of_only_zero_width_characters_is_silence(engine):
+    """An LLM reply of zero-width and control characters only: nothing to say, so nothing is
+    sent to the TTS (voice_agent.text_filters), no error, and the turn ends. LiveKit's own check
+    keeps such characters and its TTS failed with "no audio frames were pushed"."""
+    llm = await ScriptedChatServer("\u200b\u200d\ufeff\u2060\x07", use_tool=False).start()
+    settings = _settings(engine, llm.url)
+    try:
+        report, = await run_turns(settings, [_question("Are you there?")], tts_url=settings.tts_url,
+                                  llm_url=llm.url, turn_timeout=180)  # fmt: skip
+    finally:
+        await llm.stop()
+    assert report.errors == [] and report.reply_audio_s == 0, report
+    assert "there" in report.transcript.lower() and len(llm.requests) == 1

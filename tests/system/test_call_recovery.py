@@ -25,6 +25,7 @@ from voice_agent.keeper import FIRST_BEAT_GRACE, CallKeeper, RoomWatch
 from voice_agent.recovery import (
     HISTORY_CHARS,
     HISTORY_TURNS,
+    NOT_JOINED,
     history_from_metadata,
     metadata_with_history,
     yields_to,
@@ -48,12 +49,14 @@ def test_the_conversation_lives_in_the_rooms_metadata():
 
 
 def test_two_agents_in_a_call_agree_which_one_keeps_it():
-    """Each decides alone and they agree: exactly one of any set of agents stays."""
-    assert yields_to("agent-B", ["agent-A"]) == "agent-A" and yields_to("agent-A", ["agent-B"]) is None
-    trio = ["agent-AJ_x", "agent-AJ_b", "agent-AJ_q"]
-    assert [me for me in trio if yields_to(me, [a for a in trio if a != me]) is None] == ["agent-AJ_b"]
-    assert yields_to("agent-AJ_x", ["agent-AJ_q", "agent-AJ_b"]) == "agent-AJ_b"  # to the one that stays
-    assert yields_to("agent-A", []) is None
+    """Each decides alone and they agree: exactly one of any set of agents stays, the one that
+    joined first (an agent back from a network cut joins again, later), whatever its identity."""
+    assert yields_to((2, "agent-A"), [(1, "agent-B")]) == "agent-B" and yields_to((1, "agent-B"), [(2, "agent-A")]) is None
+    trio = [(5, "agent-AJ_a"), (3, "agent-AJ_x"), (3, "agent-AJ_q")]  # two at the same instant
+    assert [me for me in trio if yields_to(me, [a for a in trio if a != me]) is None] == [(3, "agent-AJ_q")]
+    assert yields_to((5, "agent-AJ_a"), [(3, "agent-AJ_x"), (3, "agent-AJ_q")]) == "agent-AJ_q"  # to the one that stays
+    assert yields_to((NOT_JOINED, "agent-A"), [(7, "agent-Z")]) == "agent-Z"  # no join time: last
+    assert yields_to((1, "agent-A"), []) is None
 
 
 async def _serve(keeper: CallKeeper, port: int) -> web.AppRunner:

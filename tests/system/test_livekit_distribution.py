@@ -330,24 +330,35 @@ async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_pro
                      "the killed agent to be removed from the room")  # fmt: skip
         recovered = [r for r in keeper.recoveries if r.room == name]
 
-        # 3b. a second agent in the call (what a livekit-server restart leaves: the old agent
-        # reconnects to the room its caller re-created, which LiveKit has dispatched again): the
-        # agent with the larger identity leaves, the other keeps the call
+        # 3b. a bystander agent of another name (a note-taker) joins the call: the voice agent
+        # stays (its identity sorts first, so the old identity rule would have ended the call).
+        # Then a second voice agent (what a livekit-server restart leaves: the old agent
+        # reconnects to the room its caller re-created, which LiveKit has dispatched again):
+        # the one that joined later leaves, whatever its identity, and the bystander stays
+        bystander = rtc.Room()
+        await bystander.connect(server.url, api.AccessToken(server.api_key, server.api_secret)
+                                .with_identity("agent-0-notes").with_kind("agent")
+                                .with_attributes({"lk.agent.name": "note-taker"})
+                                .with_grants(api.VideoGrants(room_join=True, room=name)).to_jwt())  # fmt: skip
         lk = api.LiveKitAPI(server.http_url, server.api_key, server.api_secret)
         try:
+            await _until(lambda: ("joined", "agent-0-notes") in [(what, who) for what, who, _ in seen],
+                         "the bystander to join the call")  # fmt: skip
             await lk.agent_dispatch.create_dispatch(api.CreateAgentDispatchRequest(agent_name="", room=name))
         finally:
             await lk.aclose()
         agents_now = lambda: sorted(p.identity for p in room.remote_participants.values()  # noqa: E731
                                     if p.kind == rtc.ParticipantKind.PARTICIPANT_KIND_AGENT)  # fmt: skip
-        known = (agent.identity, successor.identity)
+        known = (agent.identity, successor.identity, "agent-0-notes")
         joined = lambda: [who for what, who, _ in seen if what == "joined" and who.startswith("agent-")  # noqa: E731
                           and who not in known]  # fmt: skip
         await _until(lambda: bool(joined()), "the second agent to join the call")
         extra = joined()[0]
-        yielder = max(extra, successor.identity)
-        await _until(lambda: ("left", yielder) in [(what, who) for what, who, _ in seen], f"{yielder} to leave")
-        assert agents_now() == [min(extra, successor.identity)], (agents_now(), seen)
+        await _until(lambda: ("left", extra) in [(what, who) for what, who, _ in seen] or
+                     ("left", successor.identity) in [(what, who) for what, who, _ in seen],
+                     "one of the two voice agents to leave")  # fmt: skip
+        assert agents_now() == sorted(["agent-0-notes", successor.identity]), (agents_now(), seen)
+        await bystander.disconnect()
         await room.disconnect()
         assert second == survivor, f"the call came back on {second}, the killed worker was {victim}"
         assert recovered and "connection closed without a goodbye" in recovered[0].reason, keeper.recoveries
