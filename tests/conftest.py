@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from qwen3_tts_engine.fast_blas import use_fast_blas
+from qwen3_tts_engine.open_files import import_mlx_lm
 
 os.environ.setdefault("LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,6 +20,7 @@ os.environ.setdefault("QWEN3_TTS_FRAME_BUDGET_MS", "off")
 # Tests run mlx in this process too (on the main thread): OpenBLAS before any test module
 # imports mlx, as every `qwen3-tts` command and worker process loads it (fast_blas.py).
 use_fast_blas()
+import_mlx_lm()  # and keep the open-file limit mlx-lm would lower (open_files.py)
 
 
 @pytest.fixture(scope="session", autouse=True)

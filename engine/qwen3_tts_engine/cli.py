@@ -21,6 +21,7 @@ from pathlib import Path
 from qwen3_tts_engine.audio import pcm16, write_wav
 from qwen3_tts_engine.dispatch.capacity import BUDGET_ENV, parse_budget_ms
 from qwen3_tts_engine.fast_blas import use_fast_blas
+from qwen3_tts_engine.open_files import import_mlx_lm
 from qwen3_tts_engine.protocol import (
     COMPUTE_CHOICES,
     DEFAULT_MAX_BATCH,
@@ -568,6 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command not in SERVER_SIDE_COMMANDS:
         use_fast_blas()  # before a command imports mlx (fast_blas.py); serve's workers load it themselves
+        import_mlx_lm()  # keeps the open-file limit (open_files.py)
     try:
         return args.fn(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

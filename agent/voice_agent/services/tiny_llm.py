@@ -36,6 +36,9 @@ def _compact_tokenizer(out: Path) -> tuple[int, int]:
 def write_tiny_llm(out_dir: str | Path, *, seed: int = 0) -> Path:
     """Write the tiny random model (config, weights, tokenizer) into `out_dir`."""
     # optional extras (`voice-agent[local]`): mlx-lm, and the engine's tiny tokenizer
+    from qwen3_tts_engine.open_files import import_mlx_lm
+
+    import_mlx_lm()  # keeps this process's open-file limit (mlx-lm would lower it)
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import qwen3

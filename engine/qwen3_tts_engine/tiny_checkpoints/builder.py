@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 
 from qwen3_tts_engine.fast_blas import use_fast_blas
+from qwen3_tts_engine.open_files import import_mlx_lm
 
 use_fast_blas()  # before mlx loads (fast_blas.py)
+import_mlx_lm()  # before mlx-audio imports it (open_files.py)
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
