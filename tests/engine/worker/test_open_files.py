@@ -19,8 +19,8 @@ LIMITS = (3000, 5000)  # neither of mlx-lm's values
 
 def _with_limits(*argv: str) -> list[str]:
     """argv run with RLIMIT_NOFILE set to LIMITS first (as a host or a service manager would)."""
-    code = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, %r); "
-            "os.execv(sys.argv[1], sys.argv[1:])") % (LIMITS,)  # fmt: skip
+    code = (f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, {LIMITS!r}); "
+            "os.execv(sys.argv[1], sys.argv[1:])")  # fmt: skip
     return [sys.executable, "-c", code, *argv]
 
 
