@@ -91,6 +91,8 @@ def engine_config(args: argparse.Namespace):
         ref_audio_dir=Path(args.ref_audio_dir) if args.ref_audio_dir else None,
         limits=Limits(max_input_chars=args.max_input_chars), max_queue=args.max_queue,
         text_start_tokens=args.text_start_tokens, text_pace=args.text_pace,
+        max_sessions=args.max_sessions, ws_first_text_timeout_s=args.ws_first_text_timeout,
+        ws_idle_timeout_s=args.ws_idle_timeout,
     )  # fmt: skip
     server.voice_aliases.update(args.voice_alias or {})
     governor = GovernorConfig(
@@ -437,6 +439,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "reach the port may synthesize and read the status (warned at every start)")
     s.add_argument("--ref-audio-dir", help="folder whose files ref_audio may name")
     s.add_argument("--max-queue", type=int, default=32)
+    s.add_argument("--max-sessions", type=_positive_int, default=256, metavar="N",
+                   help="WebSocket sessions open at once; more get 429 with Retry-After at the "
+                        "upgrade (default 256)")
+    s.add_argument("--ws-first-text-timeout", type=float, default=30.0, metavar="S",
+                   help="a WebSocket session's first text is due within S seconds of its start, "
+                        "or it ends with a 408 error event (default 30)")
+    s.add_argument("--ws-idle-timeout", type=float, default=60.0, metavar="S",
+                   help="while a session's text is open, its next message is due within S "
+                        "seconds, or it ends with a 408 error event (default 60)")
     s.add_argument("--max-batch", type=_positive_int, default=DEFAULT_MAX_BATCH, metavar="N",
                    help="syntheses one worker runs together (continuous batching); more wait "
                         f"in its queue (default {DEFAULT_MAX_BATCH})")

@@ -7,6 +7,7 @@ validates a request body into a `SpeechRequest` (pure, no I/O) and names the aud
 from __future__ import annotations
 
 import math
+import re
 import unicodedata
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -188,11 +189,33 @@ def has_speakable_text(text: str) -> bool:
     return any(unicodedata.category(c)[0] not in "CZ" for c in text)
 
 
+# What text may not hold: lone surrogates (U+D800-DFFF: not Unicode scalar values, though JSON's
+# "\ud83d" escapes make them; the tokenizer cannot encode them) and the noncharacters (U+FDD0-FDEF
+# and the last two code points of every plane, U+xFFFE and U+xFFFF).
+_NOT_TEXT = re.compile("[\ud800-\udfff\ufdd0-\ufdef"
+                       + "".join(f"{chr(p + 0xFFFE)}{chr(p + 0xFFFF)}" for p in range(0, 0x110000, 0x10000))
+                       + "]")  # fmt: skip
+
+
+def check_text(text: str, param: str) -> str:
+    """`text` if it is made of Unicode scalar values that are characters, else RequestError naming
+    `param`: a lone surrogate or a noncharacter is refused. The one check of every text that can
+    reach the model (a request's text fields, each streamed piece), run in the server process."""
+    if (bad := _NOT_TEXT.search(text)) is not None:
+        code = ord(bad.group())
+        what = "a lone surrogate" if 0xD800 <= code <= 0xDFFF else "a noncharacter"
+        raise RequestError(f"{param} holds {what} (U+{code:04X} at character {bad.start()}); text "
+                           "must be Unicode scalar values, without surrogates or noncharacters "
+                           "(send a character above U+FFFF whole, not half of its UTF-16 pair)",
+                           param=param)  # fmt: skip
+    return text
+
+
 def _text(body: dict, key: str, max_len: int) -> str | None:
     value = _opt(body, key, (str,), "a string")
     if value is not None and len(value) > max_len:
         raise RequestError(f"{key} is longer than {max_len} characters", param=key)
-    return value
+    return value if value is None else check_text(value, key)
 
 
 def _in_range(key: str, value: float | int | None, lo: float, hi: float) -> None:
@@ -205,6 +228,7 @@ def check_input(text: str | None, limits: Limits | None = None) -> str:
     limits = limits or Limits()
     if text is None or not text.strip():
         raise RequestError("input must be a non-empty string", param="input")
+    check_text(text, "input")
     if not has_speakable_text(text):
         raise RequestError("input has no speakable text (only control or zero-width characters)",
                            param="input")  # fmt: skip
@@ -227,7 +251,7 @@ def parse_speech_request(body: Any, limits: Limits | None = None, *,
         raise RequestError("request body must be a JSON object")
 
     if text_stream:
-        text = _opt(body, "input", (str,), "a string") or ""
+        text = check_text(_opt(body, "input", (str,), "a string") or "", "input")
         if len(text) > limits.max_input_chars:
             raise RequestError(f"input is longer than {limits.max_input_chars} characters; split it",
                                param="input")  # fmt: skip
@@ -362,6 +386,8 @@ class LoadReport:
     frame_budget_ms: float | None = None  # None: no budget (slots = max_batch)
     # predicted seconds of a batch step by streams in it ("1".."max_batch"), from measured steps
     step_s: dict[str, float] = field(default_factory=dict)
+    sessions: int = 0  # WebSocket sessions open (each is one of `running` once its text comes)
+    sessions_waiting_for_text: int = 0  # sessions whose text has not begun: no stream, no slot
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

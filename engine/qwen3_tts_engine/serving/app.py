@@ -58,6 +58,14 @@ class ServerConfig:
     # when one frame takes longer than the timeout to go out
     ws_send_buffer_bytes: int = 1 << 20
     ws_send_timeout_s: float = 30.0
+    # WebSocket sessions (docs/engine-api.md, "Limits"): at most max_sessions open (more: 429 at
+    # the upgrade); a session's first text within ws_first_text_timeout_s of its upgrade, then a
+    # message within ws_idle_timeout_s while its text is open, or it ends with a 408 `error`
+    # event; a ping every ws_heartbeat_s (no pong within half of it: the peer is gone)
+    max_sessions: int = 256
+    ws_first_text_timeout_s: float = 30.0
+    ws_idle_timeout_s: float = 60.0
+    ws_heartbeat_s: float = 20.0
     # voice names a request may use for the model's voices (OpenAI's by default)
     voice_aliases: dict[str, str] = field(default_factory=lambda: dict(OPENAI_VOICE_ALIASES))
 

@@ -61,8 +61,10 @@ class OperatorRoutes:
 
     def load_report(self) -> LoadReport:
         g = self.server.governor
-        return self.server.engine.load(swapping=g is not None and g.swapping is not None,
-                                       started=g is None or g.started)  # fmt: skip
+        report = self.server.engine.load(swapping=g is not None and g.swapping is not None,
+                                         started=g is None or g.started)  # fmt: skip
+        report.sessions, report.sessions_waiting_for_text = self.server.stream_routes.session_counts()
+        return report
 
     async def load(self, request: web.Request) -> web.Response:
         """Running and waiting streams, real-time slots and state: no auth (as /ready), no

@@ -5,8 +5,9 @@ Subprotocol `qwen3-tts.speech.v1`. The client sends `session.start` (the fields 
 `response.cancel`); the server answers `session.created`, `input_text.ack`, binary PCM chunks
 (s16le, 24 kHz mono), `response.first_audio` after the first chunk and `response.done`, or an
 `error` event carrying the status and body the same error gets on POST, then closes (1008 for
-a client error, 1011 for the server's). Closing the socket cancels the utterance. The synthesis
-runs as on POST (`Engine.stream`: auth, limits, the queue, a swap's hold and re-routing,
+a client error, 1011 for the server's). Closing the socket before `input_text.end` cancels the
+utterance. The synthesis starts with the first text (a session that waits for it holds no
+stream and no slot) and runs as on POST (`Engine.stream`: auth, limits, the queue, a swap's hold and re-routing,
 metrics, a trace span); its text goes to the worker as it comes (`dispatch/text_input.py`).
 """
 
@@ -27,6 +28,7 @@ from qwen3_tts_engine.dispatch.handler import Result
 from qwen3_tts_engine.dispatch.text_input import TextInput
 from qwen3_tts_engine.log import logger
 from qwen3_tts_engine.protocol import (
+    ENGINE_FULL,
     HEADER_REQUEST_ID,
     SAMPLE_RATE,
     SPEECH_STREAM_PATH,
@@ -76,9 +78,14 @@ class SpeechStreamRoutes:
     def __init__(self, server: EngineServer, speech: SpeechRoutes) -> None:
         self.server = server
         self.speech = speech
+        self.sessions: set[_Session] = set()  # open sockets
 
     def routes(self) -> list[web.RouteDef]:
         return [web.get(SPEECH_STREAM_PATH, self.stream)]
+
+    def session_counts(self) -> tuple[int, int]:
+        """(sessions open, those whose text has not begun: they hold no stream and no slot)."""
+        return len(self.sessions), sum(1 for s in self.sessions if s.pump is None)
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         rid = request.headers.get(HEADER_REQUEST_ID) or f"tts-ws-{next(_ids)}"
@@ -88,19 +95,27 @@ class SpeechStreamRoutes:
         config = self.server.config
         # writer_limit above the send bound: the bound (not aiohttp's drain) meets a stuck client
         ws = web.WebSocketResponse(protocols=(SUBPROTOCOL,), max_msg_size=config.max_body_bytes,
-                                   writer_limit=2 * config.ws_send_buffer_bytes)  # fmt: skip
+                                   writer_limit=2 * config.ws_send_buffer_bytes,
+                                   heartbeat=config.ws_heartbeat_s or None)  # fmt: skip
         if not ws.can_prepare(request).ok:
             return error_response(RequestError(f"{SPEECH_STREAM_PATH} takes a WebSocket upgrade "
                                                f"(subprotocol {SUBPROTOCOL})"))  # fmt: skip
+        if len(self.sessions) >= config.max_sessions:  # before the upgrade: a plain 429
+            self.server.metrics.requests.labels("429").inc()
+            return error_response(RequestError(f"{len(self.sessions)} sessions are open (--max-sessions "
+                                               f"{config.max_sessions})", status=429, code=ENGINE_FULL),
+                                  retry_after_s=config.retry_after_s)  # fmt: skip
         with tracer.start_as_current_span("qwen3_tts.speech_stream", context=extract_context(request.headers),
                                           kind=SpanKind.SERVER,
                                           attributes={"qwen3_tts.request_id": rid}) as span:  # fmt: skip
             await ws.prepare(request)
             _bound_kernel_buffer(request, config.ws_send_buffer_bytes)
             session = _Session(self, ws, request, rid)
+            self.sessions.add(session)
             try:
                 await session.run()
             finally:  # also when aiohttp cancels the handler as the connection goes
+                self.sessions.discard(session)
                 self.server.metrics.requests.labels(session.outcome).inc()
                 span.set_attribute("qwen3_tts.outcome", session.outcome)
                 if session.error is not None:
@@ -130,6 +145,7 @@ class _Session:
         self.rid = rid
         self.t0 = time.perf_counter()
         self.req: SpeechRequest | None = None
+        self.ref_audio: bytes | None = None
         self.text: TextInput | None = None
         self.result = Result()
         self.pump: asyncio.Task | None = None
@@ -144,7 +160,9 @@ class _Session:
         """Serve the socket to its end (`outcome` says how it ended)."""
         try:
             await self._read()
-            if self.pump is not None and not self.pump.cancelled():
+            # the client stopped sending: after input_text.end the utterance is finished (audio to
+            # a client that closed finds it gone); before it, its end cancels the utterance
+            if self.pump is not None and (self.pump.done() or self.text.ended):
                 await self.pump
         except SessionEnd as e:
             await self._fail(e.error)
@@ -165,7 +183,14 @@ class _Session:
     # -- client -> server --------------------------------------------------------------------
 
     async def _read(self) -> None:
-        async for message in self.ws:
+        while True:
+            timeout = self._read_timeout()
+            try:
+                message = await self.ws.receive(timeout=timeout)
+            except TimeoutError:
+                raise SessionEnd(RequestError(self._idle_reason(), status=408, code="idle_timeout")) from None
+            if message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
+                return
             if message.type == WSMsgType.TEXT:
                 try:
                     body = json.loads(message.data)
@@ -186,6 +211,23 @@ class _Session:
             if self.pump is not None and self.pump.done():
                 return  # the synthesis ended (or failed) while the client was writing
 
+    def _read_timeout(self) -> float | None:
+        """How long the next client message may take: the first text is due within
+        ws_first_text_timeout_s of the upgrade, then each message within ws_idle_timeout_s
+        while the text is open; after input_text.end the synthesis bounds the session."""
+        config = self.server.config
+        if self.text is None or self.text.chars == 0:
+            left = config.ws_first_text_timeout_s - (time.perf_counter() - self.t0)
+            return max(0.001, left)
+        return None if self.text.ended else config.ws_idle_timeout_s
+
+    def _idle_reason(self) -> str:
+        config = self.server.config
+        if self.text is None or self.text.chars == 0:
+            return (f"no text within {config.ws_first_text_timeout_s:g} s of the session's start "
+                    "(ws_first_text_timeout_s)")  # fmt: skip
+        return f"no message for {config.ws_idle_timeout_s:g} s while the text is open (ws_idle_timeout_s)"
+
     async def _handle(self, body: dict) -> bool:
         """One client message; True when the session is over."""
         kind = body["type"]
@@ -201,10 +243,12 @@ class _Session:
             if not self.text.ended:
                 check_input(self.text.text, self.server.config.limits)  # as POST checks `input`
                 self.text.end()
+                self._begin()
         elif kind == "response.cancel":
-            self.pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self.pump
+            if self.pump is not None:
+                self.pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self.pump
             await self._send_json({"type": "response.done", "cancelled": True, **self._counts()})
             return True
         else:
@@ -226,11 +270,19 @@ class _Session:
         req.ref_audio = None
         self.text = TextInput(req.input)
         req.input = ""  # the text goes to the worker as it arrives
-        self.req = req
+        self.req, self.ref_audio = req, ref
         await self._send_json({"type": "session.created", "id": self.rid, "sample_rate": SAMPLE_RATE,
                                "variant": str(req.variant or server.engine.active.variant)})  # fmt: skip
-        chunks = server.engine.stream(req, ref_audio=ref, result=self.result, text=self.text)
-        self.pump = asyncio.ensure_future(self._pump(chunks))
+        if self.text.chars:
+            self._begin()
+
+    def _begin(self) -> None:
+        """Start the synthesis once there is text: until then the session holds no stream, no
+        place in a queue and no real-time slot (`/load` counts it in sessions_waiting_for_text)."""
+        if self.pump is None:
+            chunks = self.server.engine.stream(self.req, ref_audio=self.ref_audio, result=self.result,
+                                               text=self.text)  # fmt: skip
+            self.pump = asyncio.ensure_future(self._pump(chunks))
 
     async def _append(self, text) -> None:
         if not isinstance(text, str):
@@ -242,6 +294,8 @@ class _Session:
             raise SessionEnd(RequestError(f"input is longer than {limit} characters; split it",
                                           param="input"))  # fmt: skip
         self.text.append(text)
+        if text:
+            self._begin()
         if self.text.tokens != self.acked_tokens:  # acks only when the committed tokens grew
             self.acked_tokens = self.text.tokens
             await self._send_json({"type": "input_text.ack", "chars": self.text.chars,
