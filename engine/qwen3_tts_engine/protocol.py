@@ -97,6 +97,7 @@ OPENAI_VOICE_ALIASES = {
 # The error code of a 429 from an engine that cannot take a request in time (its batch is at its
 # real-time slots and its queue at its bound): try another engine, or this one after Retry-After.
 ENGINE_FULL = "engine_full"
+MAX_ERROR_CHARS = 500  # an error message quotes what it refuses, cut to this (input may be megabytes)
 
 
 class RequestError(ValueError):
@@ -104,6 +105,8 @@ class RequestError(ValueError):
 
     def __init__(self, message: str, *, param: str | None = None, status: int = 400,
                  code: str | None = None) -> None:  # fmt: skip
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[: MAX_ERROR_CHARS - 1] + "…"
         super().__init__(message)
         self.message = message
         self.param = param

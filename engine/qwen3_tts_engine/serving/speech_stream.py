@@ -36,6 +36,7 @@ from qwen3_tts_engine.protocol import (
     RequestError,
     SpeechRequest,
     check_input,
+    check_text,
     parse_speech_request,
 )
 from qwen3_tts_engine.serving.errors import MAPPED, RETRY_STATUSES, as_request_error, error_response
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 
 SUBPROTOCOL = SPEECH_STREAM_SUBPROTOCOL
 CLOSE_CLIENT_ERROR, CLOSE_SERVER_ERROR = 1008, 1011
+MAX_START_FIELDS = 64  # a session.start names at most this many fields (POST's are ~30)
 
 _ids = itertools.count(1)
 
@@ -96,7 +98,10 @@ class SpeechStreamRoutes:
         # writer_limit above the send bound: the bound (not aiohttp's drain) meets a stuck client
         ws = web.WebSocketResponse(protocols=(SUBPROTOCOL,), max_msg_size=config.max_body_bytes,
                                    writer_limit=2 * config.ws_send_buffer_bytes,
-                                   heartbeat=config.ws_heartbeat_s or None)  # fmt: skip
+                                   heartbeat=config.ws_heartbeat_s or None,
+                                   # no permessage-deflate: nothing a client sends is inflated
+                                   # (PCM does not compress much either); pings are counted
+                                   compress=False, autoping=False)  # fmt: skip
         if not ws.can_prepare(request).ok:
             return error_response(RequestError(f"{SPEECH_STREAM_PATH} takes a WebSocket upgrade "
                                                f"(subprotocol {SUBPROTOCOL})"))  # fmt: skip
@@ -154,6 +159,7 @@ class _Session:
         self.chunks = 0
         self.samples = 0
         self.acked_tokens = -1
+        self.messages = 0  # from the client, pings included (ws_max_messages)
         self._send_lock = asyncio.Lock()
 
     async def run(self) -> None:
@@ -191,11 +197,21 @@ class _Session:
                 raise SessionEnd(RequestError(self._idle_reason(), status=408, code="idle_timeout")) from None
             if message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
                 return
+            self.messages += 1
+            if self.messages > self.server.config.ws_max_messages:
+                raise SessionEnd(RequestError(f"more than {self.server.config.ws_max_messages} messages in "
+                                              "one session (ws_max_messages)", status=429))  # fmt: skip
+            if message.type == WSMsgType.PING:
+                await self.ws.pong(message.data)
+                continue
+            if message.type == WSMsgType.PONG:  # the heartbeat's answer (aiohttp saw it)
+                continue
             if message.type == WSMsgType.TEXT:
                 try:
                     body = json.loads(message.data)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    raise SessionEnd(RequestError("messages must be JSON text frames")) from None
+                except (ValueError, RecursionError):  # not JSON, too deeply nested, a 5000-digit number
+                    raise SessionEnd(RequestError("messages must be JSON text frames (objects of at "
+                                                  "most a few levels)")) from None  # fmt: skip
             elif message.type == WSMsgType.BINARY:
                 raise SessionEnd(RequestError("binary frames carry audio from the server only; "
                                               "send JSON text frames"))  # fmt: skip
@@ -234,6 +250,9 @@ class _Session:
         if kind == "session.start":
             if self.req is not None:
                 raise SessionEnd(RequestError("the session has started already"))
+            if len(body) > MAX_START_FIELDS:
+                raise SessionEnd(RequestError(f"session.start has {len(body)} fields; at most "
+                                              f"{MAX_START_FIELDS}"))  # fmt: skip
             await self._start({k: v for k, v in body.items() if k != "type"})
         elif self.req is None:
             raise SessionEnd(RequestError(f"{kind!r} before session.start"))
@@ -287,6 +306,7 @@ class _Session:
     async def _append(self, text) -> None:
         if not isinstance(text, str):
             raise SessionEnd(RequestError("input_text.append needs a string `text`", param="text"))
+        check_text(text, "text")  # each piece, as it comes: the worker's tokenizer never sees it
         if self.text.ended:
             raise SessionEnd(RequestError("input_text.append after input_text.end"))
         limit = self.server.config.limits.max_input_chars
