@@ -116,6 +116,7 @@ class Stream:
     paused: bool = False
     waiting_text: bool = False  # out of the batch until its next text token arrives
     cancelled: bool = False
+    error: Exception | None = None  # its own failure (`Scheduler.fail`): it ends with it
     finished: bool = False
 
     @property
@@ -210,22 +211,30 @@ class Scheduler:
     def append_text(self, stream_id: str, text: str) -> int | None:
         """More of a streamed text; the text tokens committed so far (None: no such stream)."""
         s = self.streams.get(stream_id)
-        if s is None or s.feed is None or s.feed.ended:
+        if s is None or s.feed is None or s.feed.ended or s.error is not None:
             return None
-        count = s.text.append(text) if s.text is not None else len(s.feed.append(text))
-        self._text_arrived(s)
+        try:  # its tokenizer and embeddings: a failure here is this stream's, not the batch's
+            count = s.text.append(text) if s.text is not None else len(s.feed.append(text))
+            self._text_arrived(s)
+        except Exception as e:
+            self.fail(stream_id, e)
+            return None
         return count if s.text is not None else len(s.feed.ids)
 
     def end_text(self, stream_id: str) -> int | None:
         """A streamed text is complete; the text tokens committed (None: no such stream)."""
         s = self.streams.get(stream_id)
-        if s is None or s.feed is None:
+        if s is None or s.feed is None or s.error is not None:
             return None
-        if s.text is not None:
-            s.text.end()
-        else:
-            s.feed.end()
-        self._text_arrived(s)
+        try:  # as `append_text`: the held-back text is tokenized now
+            if s.text is not None:
+                s.text.end()
+            else:
+                s.feed.end()
+            self._text_arrived(s)
+        except Exception as e:
+            self.fail(stream_id, e)
+            return None
         return len(s.feed.ids)
 
     def _text_arrived(self, s: Stream) -> None:
@@ -241,6 +250,12 @@ class Scheduler:
     def cancel(self, stream_id: str) -> None:
         if (stream := self.streams.get(stream_id)) is not None:
             stream.cancelled = True
+
+    def fail(self, stream_id: str, error: Exception) -> None:
+        """End a stream with its own `error` (an "error" event at the next step, as a cancel
+        leaves: its row goes, the others go on)."""
+        if (stream := self.streams.get(stream_id)) is not None and stream.error is None:
+            stream.error, stream.cancelled = error, True
 
     def set_paused(self, stream_id: str, paused: bool) -> None:
         if (stream := self.streams.get(stream_id)) is not None and stream.paused != paused:
@@ -279,33 +294,40 @@ class Scheduler:
         self.batch_sizes.append(len(rows))
         codes_np = np.array(codes)
         eos_np = np.array(is_eos)
-        leaving, waiting = [], []
+        leaving, waiting, failed = [], [], []
         for i, s in enumerate(rows):
-            if eos_np[i]:
-                leaving.append(i)
-                continue
-            s.history.append(int(codes_np[i, 0]))
-            s.pending.append(codes[i])
-            s.step += 1
-            s.stats.frames += 1
-            if s.step >= s.max_frames:
-                s.stats.hit_token_cap = True
-                leaving.append(i)
-                continue
-            term = s.text.term(s.step - 1)
-            if term is WAIT:  # its next text token has not arrived: it waits out of the batch
-                s.codec_next, s.waiting_text = codec_embeds[i : i + 1], True
-                s.stats.text_waits += 1
-                self.text_waits += 1
-                waiting.append(i)
-            else:
-                s.next_embed = codec_embeds[i : i + 1] + term
+            try:
+                if eos_np[i]:
+                    leaving.append(i)
+                    continue
+                s.history.append(int(codes_np[i, 0]))
+                s.pending.append(codes[i])
+                s.step += 1
+                s.stats.frames += 1
+                if s.step >= s.max_frames:
+                    s.stats.hit_token_cap = True
+                    leaving.append(i)
+                    continue
+                term = s.text.term(s.step - 1)
+                if term is WAIT:  # its next text token has not arrived: it waits out of the batch
+                    s.codec_next, s.waiting_text = codec_embeds[i : i + 1], True
+                    s.stats.text_waits += 1
+                    self.text_waits += 1
+                    waiting.append(i)
+                else:
+                    s.next_embed = codec_embeds[i : i + 1] + term
+            except Exception as e:  # this row's own failure: it leaves, the others go on
+                self._fail(s, e, events)
+                failed.append(i)
         for i in waiting:
             rows[i].parked = [c.extract(i) for c in self.cache]
         for i in leaving:
-            self._end_sentence(rows[i])
-        if leaving or waiting:
-            gone = set(leaving) | set(waiting)
+            try:
+                self._end_sentence(rows[i])  # its next sentence's text
+            except Exception as e:
+                self._fail(rows[i], e, events)
+        if leaving or waiting or failed:
+            gone = set(leaving) | set(waiting) | set(failed)
             self._filter([i for i in range(len(rows)) if i not in gone])
         self._flush(events)
         if self.step_delay_s:
@@ -328,6 +350,9 @@ class Scheduler:
         if len(keep) < len(self.rows):
             self._filter(keep)
         for s in [s for s in self.streams.values() if s.cancelled]:
+            if s.error is not None:
+                self._fail(s, s.error, events)
+                continue
             s.stats.cancelled = True
             self._finish(s, events)
 

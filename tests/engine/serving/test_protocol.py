@@ -7,6 +7,7 @@ import pytest
 from qwen3_tts_engine.protocol import (
     Limits,
     RequestError,
+    check_text,
     default_max_new_tokens,
     normalize_language,
     parse_speech_request,
@@ -84,3 +85,32 @@ def test_ref_audio_sources(tmp_path):
     with pytest.raises(RequestError) as e:
         resolve_ref_audio(data, None, 10)
     assert e.value.status == 413
+
+
+REFUSED = [0xD800, 0xDBFF, 0xDC00, 0xDFFF, 0xFDD0, 0xFDEF, 0xFFFE, 0xFFFF, 0x1FFFE, 0x1FFFF,
+           0x10FFFE, 0x10FFFF]  # fmt: skip
+TAKEN = [0x0, 0x1F, 0x7F, 0x9F, 0xD7FF, 0xE000, 0xFDCF, 0xFDF0, 0xFEFF, 0xFFFD, 0x10000, 0x1FFFD,
+         0x20000, 0xE0001, 0x10FFFD]  # fmt: skip
+
+
+@pytest.mark.parametrize("code", REFUSED)
+def test_check_text_refuses_lone_surrogates_and_noncharacters(code):
+    """Only Unicode scalar values that are characters: one check, the field named, the code
+    point said in an ASCII message (it goes into a WebSocket close reason)."""
+    with pytest.raises(RequestError) as e:
+        check_text(f"Hello {chr(code)} there", "instructions")
+    assert e.value.status == 400 and e.value.param == "instructions"
+    assert f"U+{code:04X} at character 6" in e.value.message and e.value.message.isascii()
+    for body in ({"input": f"Hi {chr(code)}"}, {"input": "Hi", "instructions": chr(code)},
+                 {"input": "Hi", "ref_text": chr(code)}, {"input": "Hi", "voice": chr(code)}):
+        with pytest.raises(RequestError) as e:
+            parse_speech_request(body)
+        assert e.value.param == next(k for k, v in body.items() if chr(code) in v)
+    with pytest.raises(RequestError) as e:
+        parse_speech_request({"input": f"Hi {chr(code)}"}, text_stream=True)
+    assert e.value.param == "input"
+
+
+def test_check_text_takes_every_other_code_point():
+    text = "".join(map(chr, TAKEN)) + "e\u0301 \U0001f469\u200d\U0001f467 \u202eשלום"
+    assert check_text(text, "input") is text
