@@ -22,15 +22,24 @@ from qwen3_tts_engine.protocol import (
     DEFAULT_TEXT_PACE,
     DEFAULT_TEXT_START_TOKENS,
     OPENAI_VOICE_ALIASES,
+    SPEECH_STREAM_PATH,
     Limits,
     RequestError,
 )
-from qwen3_tts_engine.serving.auth import authorized, carries, exposure_problem
+from qwen3_tts_engine.serving.auth import API, OPERATOR, PUBLIC, auth_middleware, exposure_problem
+from qwen3_tts_engine.serving.errors import error_response
 from qwen3_tts_engine.serving.metrics import Metrics
 from qwen3_tts_engine.serving.operator import OperatorRoutes
 from qwen3_tts_engine.serving.speech import SpeechRoutes
 from qwen3_tts_engine.serving.speech_stream import SpeechStreamRoutes
 from qwen3_tts_engine.serving.tracing import configure_from_env
+
+# Who may call each route (auth.auth_middleware; a route not named needs the API key)
+ROUTE_RULES = {
+    "GET /health": PUBLIC, "GET /ready": PUBLIC, "GET /load": PUBLIC, "GET /metrics": PUBLIC,
+    "POST /v1/audio/speech": API, f"GET {SPEECH_STREAM_PATH}": API, "GET /v1/models": API,
+    "GET /v1/engine/status": API, "POST /v1/engine/variant": OPERATOR,
+}  # fmt: skip
 
 
 class InsecureServerError(ValueError):
@@ -80,8 +89,9 @@ class EngineServer:
         self.config = config or ServerConfig()
         self.metrics = Metrics()
         self.governor = governor
+        auth = auth_middleware(ROUTE_RULES, self.config.api_key, self.config.operator_key, self._refused)
         self.app = web.Application(client_max_size=self.config.max_body_bytes,
-                                   middlewares=[self._errors])  # fmt: skip
+                                   middlewares=[self._errors, auth])  # fmt: skip
         self.speech_routes = SpeechRoutes(self)
         self.operator_routes = OperatorRoutes(self)
         self.stream_routes = SpeechStreamRoutes(self, self.speech_routes)
@@ -125,6 +135,11 @@ class EngineServer:
 
     # -- middleware and auth -----------------------------------------------------------------
 
+    def _refused(self, why: RequestError) -> web.Response:
+        """A request the auth middleware refused: its 401/403, counted by status."""
+        self.metrics.requests.labels(str(why.status)).inc()
+        return error_response(why)
+
     @web.middleware
     async def _errors(self, request: web.Request, handler):
         try:
@@ -135,22 +150,7 @@ class EngineServer:
                 return web.json_response(err.to_json(), status=e.status)
             raise
 
-    def authorized(self, request: web.Request) -> bool:
-        return authorized(request.headers.get("Authorization"), self.config.api_key,
-                          self.config.operator_key)  # fmt: skip
 
-    def operator_refusal(self, request: web.Request) -> RequestError | None:
-        """Why this request may not change the variant (None: it may)."""
-        header = request.headers.get("Authorization")
-        if not self.config.operator_key:
-            ok = authorized(header, self.config.api_key)
-            return None if ok else RequestError("missing or wrong bearer token", status=401)
-        if carries(header, self.config.operator_key):
-            return None
-        if self.config.api_key and carries(header, self.config.api_key):
-            return RequestError("changing the variant needs the operator key "
-                                "(QWEN3_TTS_OPERATOR_KEY), not the API key", status=403)  # fmt: skip
-        return RequestError("missing or wrong bearer token (the operator key)", status=401)
 
 async def serve_forever(server: EngineServer) -> None:
     """Run until SIGTERM/SIGINT, then stop the handlers (their workers exit). Traces go to the

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+from collections.abc import Callable
+
+from aiohttp import web
+
+from qwen3_tts_engine.protocol import RequestError
 
 API_KEY_ENV = "QWEN3_TTS_API_KEY"
 OPERATOR_KEY_ENV = "QWEN3_TTS_OPERATOR_KEY"
@@ -29,6 +34,47 @@ def authorized(header: str | None, api_key: str | None, operator_key: str | None
     if not api_key and not operator_key:
         return True
     return any(carries(header, k) for k in (api_key, operator_key) if k)
+
+
+# Who may call a route: anyone (probes, load, metrics), the API key's holders (or the operator
+# key's), or the operator key's alone when one is set (changing the variant).
+PUBLIC, API, OPERATOR = "public", "api", "operator"
+
+
+def refusal(header: str | None, need: str, api_key: str | None, operator_key: str | None) -> RequestError | None:
+    """Why a request with this Authorization `header` may not call a route that needs `need`
+    (None: it may). The one place a 401 or 403 is decided."""
+    if need == PUBLIC:
+        return None
+    if need == OPERATOR and operator_key:
+        if carries(header, operator_key):
+            return None
+        if api_key and carries(header, api_key):
+            return RequestError("changing the variant needs the operator key "
+                                f"({OPERATOR_KEY_ENV}), not the API key", status=403)  # fmt: skip
+        return RequestError("missing or wrong bearer token (the operator key)", status=401)
+    if authorized(header, api_key, operator_key if need == API else None):
+        return None
+    return RequestError("missing or wrong bearer token", status=401)
+
+
+def auth_middleware(rules: dict[str, str], api_key: str | None, operator_key: str | None,
+                    refused: Callable[[RequestError], web.StreamResponse]):  # fmt: skip
+    """aiohttp middleware: each route's rule (`rules`: "METHOD path" -> PUBLIC, API or OPERATOR;
+    a route not named needs the API key) is checked before its handler runs, a WebSocket's
+    before its upgrade. `refused` answers (and counts) a refusal."""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        resource = request.match_info.route.resource
+        if resource is None:  # no such route: aiohttp's 404/405
+            return await handler(request)
+        need = rules.get(f"{request.method} {resource.canonical}", API)
+        if (why := refusal(request.headers.get("Authorization"), need, api_key, operator_key)) is not None:
+            return refused(why)
+        return await handler(request)
+
+    return check
 
 
 def is_loopback(host: str) -> bool:

@@ -91,8 +91,6 @@ class SpeechRoutes:
             return response
 
     async def _speech(self, request: web.Request, rid: str, t0: float) -> web.StreamResponse:
-        if not self.server.authorized(request):
-            raise RequestError("missing or wrong bearer token", status=401)
         try:
             body = await request.json(loads=json.loads)
         except web.HTTPRequestEntityTooLarge:

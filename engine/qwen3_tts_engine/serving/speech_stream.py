@@ -91,9 +91,6 @@ class SpeechStreamRoutes:
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         rid = request.headers.get(HEADER_REQUEST_ID) or f"tts-ws-{next(_ids)}"
-        if not self.server.authorized(request):  # before the upgrade, as on POST
-            self.server.metrics.requests.labels("401").inc()
-            return error_response(RequestError("missing or wrong bearer token", status=401))
         config = self.server.config
         # writer_limit above the send bound: the bound (not aiohttp's drain) meets a stuck client
         ws = web.WebSocketResponse(protocols=(SUBPROTOCOL,), max_msg_size=config.max_body_bytes,

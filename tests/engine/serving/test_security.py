@@ -116,3 +116,36 @@ async def test_only_the_operator_key_changes_the_variant(keyed):
             assert (await c.get("/v1/engine/status", headers=auth(key))).status_code == 200
         assert (await c.post("/v1/audio/speech", json=speech)).status_code == 401
         assert (await c.get("/health")).status_code == 200  # probes need no key
+
+
+async def test_every_route_has_one_auth_rule_checked_before_its_handler(keyed):
+    """One middleware decides every route's auth (serving/app.py ROUTE_RULES): each route the
+    server has is named there, public routes answer without a key, the rest refuse one with the
+    same 401 body, before any handler runs (the WebSocket's before its upgrade), counted once."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from qwen3_tts_engine.serving.app import ROUTE_RULES
+    from qwen3_tts_engine.serving.auth import PUBLIC
+
+    routes = {f"{r.method} {r.resource.canonical}" for r in keyed.app.router.routes() if r.method != "HEAD"}
+    assert routes == set(ROUTE_RULES), routes ^ set(ROUTE_RULES)
+
+    def refused_401(text: str) -> float:
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "qwen3_tts_requests_total" and s.labels.get("status") == "401")  # fmt: skip
+
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{keyed.port}", timeout=120) as c:
+        before = refused_401((await c.get("/metrics")).text)
+        refused = 0
+        for route, need in ROUTE_RULES.items():
+            method, path = route.split(" ", 1)
+            r = await c.request(method, path, headers={"Connection": "Upgrade", "Upgrade": "websocket",
+                                                       "Sec-WebSocket-Version": "13",
+                                                       "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}
+                                if path.endswith("/stream") else None)  # fmt: skip
+            if need == PUBLIC:
+                assert r.status_code < 400, (route, r.status_code)
+            else:
+                assert r.status_code == 401 and r.json()["error"]["message"].startswith("missing or wrong bearer token"), route
+                refused += 1
+        assert refused_401((await c.get("/metrics")).text) - before == refused
