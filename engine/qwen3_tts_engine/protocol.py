@@ -235,11 +235,15 @@ def check_input(text: str | None, limits: Limits | None = None) -> str:
     if not has_speakable_text(text):
         raise RequestError("input has no speakable text (only control or zero-width characters)",
                            param="input")  # fmt: skip
-    if len(text) > limits.max_input_chars:
-        raise RequestError(
-            f"input is longer than {limits.max_input_chars} characters; split it", param="input"
-        )
+    check_length(len(text), limits)
     return text
+
+
+def check_length(chars: int, limits: Limits) -> None:
+    """The length rule of a request's text (POST's `input`, a session's pieces together)."""
+    if chars > limits.max_input_chars:
+        raise RequestError(f"input is longer than {limits.max_input_chars} characters; split it",
+                           param="input")  # fmt: skip
 
 
 def parse_speech_request(body: Any, limits: Limits | None = None, *,
@@ -255,9 +259,7 @@ def parse_speech_request(body: Any, limits: Limits | None = None, *,
 
     if text_stream:
         text = check_text(_opt(body, "input", (str,), "a string") or "", "input")
-        if len(text) > limits.max_input_chars:
-            raise RequestError(f"input is longer than {limits.max_input_chars} characters; split it",
-                               param="input")  # fmt: skip
+        check_length(len(text), limits)
     else:
         text = check_input(_opt(body, "input", (str,), "a string"), limits)
 

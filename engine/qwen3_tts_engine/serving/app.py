@@ -1,17 +1,16 @@
 """The engine server: one streaming HTTP protocol (OpenAI + vLLM-Omni fields) over handlers.
 
-This module assembles it (configuration, auth and error middleware, start and stop); the routes
-are `speech.py` (`POST /v1/audio/speech`: s16le PCM, one HTTP chunk per 4-frame audio chunk,
-as each is made) and `operator.py` (`/health`, `/ready`, `/v1/models`, `/v1/engine/*`,
-`/metrics`: for operators and load balancers).
+This module assembles it (auth and error middleware, start and stop; `ServerConfig` is
+`server_config.py`). The routes: `speech.py` (`POST /v1/audio/speech`: s16le PCM, one HTTP chunk
+per 4-frame audio chunk, as each is made) and `speech_stream.py` (the WebSocket), both adapters
+over `speech_service.py`; `operator.py` (`/health`, `/ready`, `/load`, `/v1/models`,
+`/v1/engine/*`, `/metrics`: for operators and load balancers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from aiohttp import web
 
@@ -19,18 +18,16 @@ from qwen3_tts_engine.dispatch.engine import Engine
 from qwen3_tts_engine.governor.governor import Governor
 from qwen3_tts_engine.log import logger
 from qwen3_tts_engine.protocol import (
-    DEFAULT_TEXT_PACE,
-    DEFAULT_TEXT_START_TOKENS,
-    OPENAI_VOICE_ALIASES,
     SPEECH_STREAM_PATH,
-    Limits,
     RequestError,
 )
 from qwen3_tts_engine.serving.auth import API, OPERATOR, PUBLIC, auth_middleware, exposure_problem
 from qwen3_tts_engine.serving.errors import error_response
 from qwen3_tts_engine.serving.metrics import Metrics
 from qwen3_tts_engine.serving.operator import OperatorRoutes
+from qwen3_tts_engine.serving.server_config import ServerConfig
 from qwen3_tts_engine.serving.speech import SpeechRoutes
+from qwen3_tts_engine.serving.speech_service import SpeechService
 from qwen3_tts_engine.serving.speech_stream import SpeechStreamRoutes
 from qwen3_tts_engine.serving.tracing import configure_from_env
 
@@ -46,42 +43,6 @@ class InsecureServerError(ValueError):
     """The server would listen on a network address without an API key."""
 
 
-@dataclass
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8880
-    api_key: str | None = None  # bearer token for /v1/*; from QWEN3_TTS_API_KEY
-    operator_key: str | None = None  # alone may change the variant; from QWEN3_TTS_OPERATOR_KEY
-    # serve a non-loopback host without an API key (refused otherwise)
-    insecure_no_auth: bool = False
-    ref_audio_dir: Path | None = None
-    limits: Limits = field(default_factory=Limits)
-    max_body_bytes: int = 12 * 1024 * 1024
-    max_queue: int = 32
-    retry_after_s: int = 2
-    # streamed text (docs/engine-api.md): tokens before the first frame, tokens per frame at most
-    text_start_tokens: int = DEFAULT_TEXT_START_TOKENS
-    text_pace: float = DEFAULT_TEXT_PACE
-    # a WebSocket client that stops reading is dropped (its utterance cancelled) when this much
-    # audio waits for it (1 MiB: ~11 s of audio, in the kernel and again in the transport), or
-    # when one frame takes longer than the timeout to go out
-    ws_send_buffer_bytes: int = 1 << 20
-    ws_send_timeout_s: float = 30.0
-    # WebSocket sessions (docs/engine-api.md, "Limits"): at most max_sessions open (more: 429 at
-    # the upgrade); a session's first text within ws_first_text_timeout_s of its upgrade, then a
-    # message within ws_idle_timeout_s while its text is open, or it ends with a 408 `error`
-    # event; a ping every ws_heartbeat_s (no pong within half of it: the peer is gone)
-    max_sessions: int = 256
-    ws_first_text_timeout_s: float = 30.0
-    ws_idle_timeout_s: float = 60.0
-    ws_heartbeat_s: float = 20.0
-    # messages (text, binary, ping, pong) one session may send: a flood of empty appends or
-    # pings ends the session with a 429 `error` event; text itself is bounded by max_input_chars
-    ws_max_messages: int = 10_000
-    # voice names a request may use for the model's voices (OpenAI's by default)
-    voice_aliases: dict[str, str] = field(default_factory=lambda: dict(OPENAI_VOICE_ALIASES))
-
-
 class EngineServer:
     def __init__(self, engine: Engine, config: ServerConfig | None = None,
                  governor: Governor | None = None) -> None:  # fmt: skip
@@ -92,9 +53,12 @@ class EngineServer:
         auth = auth_middleware(ROUTE_RULES, self.config.api_key, self.config.operator_key, self._refused)
         self.app = web.Application(client_max_size=self.config.max_body_bytes,
                                    middlewares=[self._errors, auth])  # fmt: skip
-        self.speech_routes = SpeechRoutes(self)
-        self.operator_routes = OperatorRoutes(self)
-        self.stream_routes = SpeechStreamRoutes(self, self.speech_routes)
+        # the routes are adapters over one speech service; the operator's read the engine
+        self.speech = SpeechService(engine, self.config, self.metrics)
+        self.speech_routes = SpeechRoutes(self.speech)
+        self.stream_routes = SpeechStreamRoutes(self.speech)
+        self.operator_routes = OperatorRoutes(engine, self.config, self.metrics, governor,
+                                              sessions=self.stream_routes.session_counts)  # fmt: skip
         self.app.add_routes([*self.speech_routes.routes(), *self.stream_routes.routes(),
                              *self.operator_routes.routes()])  # fmt: skip
         self._runner: web.AppRunner | None = None

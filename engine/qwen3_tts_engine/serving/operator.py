@@ -5,12 +5,13 @@ Prometheus metrics (docs/fleet.md: what a router reads)."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from qwen3_tts_engine.governor.governor import SwapRecord
+from qwen3_tts_engine.dispatch.engine import Engine
+from qwen3_tts_engine.governor.governor import Governor, SwapRecord
 from qwen3_tts_engine.models.footprint import breakdown
 from qwen3_tts_engine.protocol import (
     SPEECH_STREAM_PATH,
@@ -23,18 +24,19 @@ from qwen3_tts_engine.protocol import (
     VariantChange,
 )
 from qwen3_tts_engine.serving.errors import MAPPED, error_response
-from qwen3_tts_engine.serving.speech import voice_aliases
-
-if TYPE_CHECKING:
-    from qwen3_tts_engine.serving.app import EngineServer
+from qwen3_tts_engine.serving.metrics import Metrics
+from qwen3_tts_engine.serving.server_config import ServerConfig
+from qwen3_tts_engine.serving.speech_service import voice_aliases
 
 
 class OperatorRoutes:
-    def __init__(self, server: EngineServer) -> None:
-        self.server = server
+    def __init__(self, engine: Engine, config: ServerConfig, metrics: Metrics, governor: Governor | None,
+                 *, sessions: Callable[[], tuple[int, int]]) -> None:  # fmt: skip
+        self.engine, self.config, self.metrics, self.governor = engine, config, metrics, governor
+        self.sessions = sessions  # (WebSocket sessions open, those waiting for their text)
         self._variants_seen: set[str] = set()
-        if server.governor is not None:
-            server.governor.listeners.append(self._count_swap)
+        if governor is not None:
+            governor.listeners.append(self._count_swap)
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -51,19 +53,19 @@ class OperatorRoutes:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        h = self.server.engine.active
+        h = self.engine.active
         # Not ready before the governor has fixed its ladder (the quality gate hashes checkpoints).
-        started = self.server.governor is None or self.server.governor.started
-        body = ReadyStatus(ready=h.state == "ready" and self.server.engine.serving and started,
+        started = self.governor is None or self.governor.started
+        body = ReadyStatus(ready=h.state == "ready" and self.engine.serving and started,
                            variant=h.variant, state=h.state, queue_depth=h.queue_depth,
-                           swapping=self.server.governor is not None and self.server.governor.swapping is not None)
+                           swapping=self.governor is not None and self.governor.swapping is not None)
         return web.json_response(body.to_json(), status=200 if body.ready else 503)
 
     def load_report(self) -> LoadReport:
-        g = self.server.governor
-        report = self.server.engine.load(swapping=g is not None and g.swapping is not None,
+        g = self.governor
+        report = self.engine.load(swapping=g is not None and g.swapping is not None,
                                          started=g is None or g.started)  # fmt: skip
-        report.sessions, report.sessions_waiting_for_text = self.server.stream_routes.session_counts()
+        report.sessions, report.sessions_waiting_for_text = self.sessions()
         return report
 
     async def load(self, request: web.Request) -> web.Response:
@@ -72,31 +74,31 @@ class OperatorRoutes:
         return web.json_response(self.load_report().to_json())
 
     async def models(self, request: web.Request) -> web.Response:
-        info = self.server.engine.active.info
-        card = ModelCard(id=self.server.engine.model, tts_model_type=info.get("tts_model_type"),
+        info = self.engine.active.info
+        card = ModelCard(id=self.engine.model, tts_model_type=info.get("tts_model_type"),
                          voices=info.get("voices", []), languages=info.get("languages", []),
-                         variants=list(self.server.engine.handlers),
-                         active_variant=self.server.engine.active.variant,
-                         voice_aliases=voice_aliases(self.server.engine, self.server.config))
+                         variants=list(self.engine.handlers),
+                         active_variant=self.engine.active.variant,
+                         voice_aliases=voice_aliases(self.engine, self.config))
         return web.json_response({"object": "list", "data": [card.to_json()]})
 
     async def status(self, request: web.Request) -> web.Response:
         handlers = []
-        for h in self.server.engine.all_handlers():
+        for h in self.engine.all_handlers():
             info = {k: v for k, v in h.info.items() if k not in ("quantized_modules", "footprint")}
             memory = await h.memory()
             handlers.append(HandlerStatus(
                 name=h.name, variant=h.variant, state=h.state, pid=h.pid,
-                active=h is self.server.engine.active, retiring=h in self.server.engine.retiring,
+                active=h is self.engine.active, retiring=h in self.engine.retiring,
                 queue_depth=h.queue_depth, waiting=h.waiting, restarts=h.restarts,
                 last_stats=h.last_stats, memory=memory, info=info,
                 quantized_modules=len(h.info.get("quantized_modules", {})),
                 footprint=breakdown(h.info.get("footprint"), memory) if memory else {},
                 batching={**h.batching, "max_batch": h.max_batch, "in_flight": h.in_flight},
             ))  # fmt: skip
-        governor = await self.server.governor.status() if self.server.governor is not None else None
-        status = EngineStatus(model=self.server.engine.model, active_variant=self.server.engine.active.variant,
-                              serving=self.server.engine.serving, waiting_for_swap=self.server.engine.gap_waiting,
+        governor = await self.governor.status() if self.governor is not None else None
+        status = EngineStatus(model=self.engine.model, active_variant=self.engine.active.variant,
+                              serving=self.engine.serving, waiting_for_swap=self.engine.gap_waiting,
                               handlers=handlers, governor=governor, streaming_text=True,
                               streaming_text_route=SPEECH_STREAM_PATH,
                               capacity=self.load_report().to_json())  # fmt: skip
@@ -104,7 +106,7 @@ class OperatorRoutes:
 
     async def set_variant(self, request: web.Request) -> web.Response:
         """Operator override: swap to a variant now (pinned unless `pin` is false), or "auto"."""
-        if self.server.governor is None:
+        if self.governor is None:
             return error_response(RequestError("this engine runs without a governor", status=409))
         try:
             body = await request.json(loads=json.loads)
@@ -117,43 +119,43 @@ class OperatorRoutes:
         if not isinstance(pin, bool):
             return error_response(RequestError("pin must be true or false", param="pin"))
         try:
-            record = await self.server.governor.request(body["variant"], mode=mode, pin=pin)
+            record = await self.governor.request(body["variant"], mode=mode, pin=pin)
         except MAPPED as e:
             return error_response(e)
         except (ValueError, FileNotFoundError) as e:
             return error_response(RequestError(str(e), param="variant"))
         status = 200 if record is None or record.ok else 503
-        change = VariantChange(active_variant=self.server.engine.active.variant,
-                               pinned=self.server.governor.pinned,
+        change = VariantChange(active_variant=self.engine.active.variant,
+                               pinned=self.governor.pinned,
                                swap=record.as_dict() if record else None)
         return web.json_response(change.to_json(), status=status)
 
     def _count_swap(self, record: SwapRecord) -> None:
-        m = self.server.metrics
+        m = self.metrics
         m.swaps.labels(record.direction, record.cause, record.mode,
                        "ok" if record.ok else "failed").inc()  # fmt: skip
         if record.latency_s is not None:
             m.swap_seconds.labels(record.mode).observe(record.latency_s)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        m = self.server.metrics
-        handlers = self.server.engine.all_handlers()
+        m = self.metrics
+        handlers = self.engine.all_handlers()
         self._variants_seen |= {str(h.variant) for h in handlers}
-        if self.server.governor is not None:  # a variant may have come and gone between two scrapes
-            self._variants_seen |= set(self.server.governor.policy.ladder)
+        if self.governor is not None:  # a variant may have come and gone between two scrapes
+            self._variants_seen |= set(self.governor.policy.ladder)
         for variant in self._variants_seen:  # swapped-out variants read 0, not a stale 1
-            m.active_variant.labels(variant).set(1 if variant == self.server.engine.active.variant else 0)
+            m.active_variant.labels(variant).set(1 if variant == self.engine.active.variant else 0)
             m.queue_depth.labels(variant).set(sum(h.queue_depth for h in handlers
                                                   if str(h.variant) == variant))  # fmt: skip
         for h in handlers:
             for kind, value in (await h.memory()).items():
                 m.worker_memory.labels(str(h.variant), kind.removesuffix("_bytes")).set(value)
             m.observe_batching(str(h.variant), h.in_flight, h.batching)
-        m.observe_load(self.server.engine.model, self.load_report())
+        m.observe_load(self.engine.model, self.load_report())
         for h in handlers:
             m.observe_steps(str(h.variant), h.take_step_samples())
-        if self.server.governor is not None:
-            g = self.server.governor
+        if self.governor is not None:
+            g = self.governor
             if g.reading is not None:
                 m.memory_pressure.labels(g.reading.source).set(g.reading.pressure)
                 for kind in ("limit", "used", "available"):

@@ -19,7 +19,6 @@ import itertools
 import json
 import socket
 import time
-from typing import TYPE_CHECKING
 
 from aiohttp import WSMsgType, web
 from opentelemetry.trace import SpanKind, StatusCode
@@ -36,16 +35,12 @@ from qwen3_tts_engine.protocol import (
     RequestError,
     SpeechRequest,
     check_input,
+    check_length,
     check_text,
-    parse_speech_request,
 )
 from qwen3_tts_engine.serving.errors import MAPPED, RETRY_STATUSES, as_request_error, error_response
-from qwen3_tts_engine.serving.ref_audio import resolve_ref_audio
+from qwen3_tts_engine.serving.speech_service import SpeechService, decode_json
 from qwen3_tts_engine.serving.tracing import extract_context, tracer
-
-if TYPE_CHECKING:
-    from qwen3_tts_engine.serving.app import EngineServer
-    from qwen3_tts_engine.serving.speech import SpeechRoutes
 
 SUBPROTOCOL = SPEECH_STREAM_SUBPROTOCOL
 CLOSE_CLIENT_ERROR, CLOSE_SERVER_ERROR = 1008, 1011
@@ -77,9 +72,10 @@ def error_event(error: RequestError, retry_after_s: int | None = None) -> dict:
 class SpeechStreamRoutes:
     """The streaming-text path of an `EngineServer`."""
 
-    def __init__(self, server: EngineServer, speech: SpeechRoutes) -> None:
-        self.server = server
-        self.speech = speech
+    def __init__(self, service: SpeechService) -> None:
+        self.service = service
+        self.config = service.config
+        self.metrics = service.metrics
         self.sessions: set[_Session] = set()  # open sockets
 
     def routes(self) -> list[web.RouteDef]:
@@ -91,7 +87,7 @@ class SpeechStreamRoutes:
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         rid = request.headers.get(HEADER_REQUEST_ID) or f"tts-ws-{next(_ids)}"
-        config = self.server.config
+        config = self.config
         # writer_limit above the send bound: the bound (not aiohttp's drain) meets a stuck client
         ws = web.WebSocketResponse(protocols=(SUBPROTOCOL,), max_msg_size=config.max_body_bytes,
                                    writer_limit=2 * config.ws_send_buffer_bytes,
@@ -103,7 +99,7 @@ class SpeechStreamRoutes:
             return error_response(RequestError(f"{SPEECH_STREAM_PATH} takes a WebSocket upgrade "
                                                f"(subprotocol {SUBPROTOCOL})"))  # fmt: skip
         if len(self.sessions) >= config.max_sessions:  # before the upgrade: a plain 429
-            self.server.metrics.requests.labels("429").inc()
+            self.metrics.requests.labels("429").inc()
             return error_response(RequestError(f"{len(self.sessions)} sessions are open (--max-sessions "
                                                f"{config.max_sessions})", status=429, code=ENGINE_FULL),
                                   retry_after_s=config.retry_after_s)  # fmt: skip
@@ -118,7 +114,7 @@ class SpeechStreamRoutes:
                 await session.run()
             finally:  # also when aiohttp cancels the handler as the connection goes
                 self.sessions.discard(session)
-                self.server.metrics.requests.labels(session.outcome).inc()
+                self.metrics.requests.labels(session.outcome).inc()
                 span.set_attribute("qwen3_tts.outcome", session.outcome)
                 if session.error is not None:
                     span.set_status(StatusCode.ERROR, session.error.message)
@@ -139,11 +135,11 @@ class _Session:
 
     def __init__(self, routes: SpeechStreamRoutes, ws: web.WebSocketResponse, request: web.Request,
                  rid: str) -> None:  # fmt: skip
-        self.routes = routes
-        self.server = routes.server
+        self.service = routes.service
+        self.config = routes.config
         self.ws = ws
         self.request = request
-        self.send_bound = routes.server.config.ws_send_buffer_bytes  # this socket's, from its start
+        self.send_bound = routes.config.ws_send_buffer_bytes  # this socket's, from its start
         self.rid = rid
         self.t0 = time.perf_counter()
         self.req: SpeechRequest | None = None
@@ -195,8 +191,8 @@ class _Session:
             if message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
                 return
             self.messages += 1
-            if self.messages > self.server.config.ws_max_messages:
-                raise SessionEnd(RequestError(f"more than {self.server.config.ws_max_messages} messages in "
+            if self.messages > self.config.ws_max_messages:
+                raise SessionEnd(RequestError(f"more than {self.config.ws_max_messages} messages in "
                                               "one session (ws_max_messages)", status=429))  # fmt: skip
             if message.type == WSMsgType.PING:
                 await self.ws.pong(message.data)
@@ -205,10 +201,9 @@ class _Session:
                 continue
             if message.type == WSMsgType.TEXT:
                 try:
-                    body = json.loads(message.data)
-                except (ValueError, RecursionError):  # not JSON, too deeply nested, a 5000-digit number
-                    raise SessionEnd(RequestError("messages must be JSON text frames (objects of at "
-                                                  "most a few levels)")) from None  # fmt: skip
+                    body = decode_json(message.data, "a message")  # as POST's body
+                except RequestError as e:
+                    raise SessionEnd(e) from None
             elif message.type == WSMsgType.BINARY:
                 raise SessionEnd(RequestError("binary frames carry audio from the server only; "
                                               "send JSON text frames"))  # fmt: skip
@@ -228,14 +223,14 @@ class _Session:
         """How long the next client message may take: the first text is due within
         ws_first_text_timeout_s of the upgrade, then each message within ws_idle_timeout_s
         while the text is open; after input_text.end the synthesis bounds the session."""
-        config = self.server.config
+        config = self.config
         if self.text is None or self.text.chars == 0:
             left = config.ws_first_text_timeout_s - (time.perf_counter() - self.t0)
             return max(0.001, left)
         return None if self.text.ended else config.ws_idle_timeout_s
 
     def _idle_reason(self) -> str:
-        config = self.server.config
+        config = self.config
         if self.text is None or self.text.chars == 0:
             return (f"no text within {config.ws_first_text_timeout_s:g} s of the session's start "
                     "(ws_first_text_timeout_s)")  # fmt: skip
@@ -257,7 +252,7 @@ class _Session:
             await self._append(body.get("text"))
         elif kind == "input_text.end":
             if not self.text.ended:
-                check_input(self.text.text, self.server.config.limits)  # as POST checks `input`
+                check_input(self.text.text, self.config.limits)  # as POST checks `input`
                 self.text.end()
                 self._begin()
         elif kind == "response.cancel":
@@ -272,23 +267,15 @@ class _Session:
         return False
 
     async def _start(self, body: dict) -> None:
-        server, config = self.server, self.server.config
         try:
-            req = parse_speech_request(body, config.limits, text_stream=True)
-            req.voice = self.routes.speech._voice(req.voice)
-            req.text_start_tokens = req.text_start_tokens or config.text_start_tokens
-            req.text_pace = req.text_pace or config.text_pace
-            server.engine.validate(req)
-            ref = resolve_ref_audio(req.ref_audio, config.ref_audio_dir,
-                                    config.limits.max_ref_audio_bytes)  # fmt: skip
+            req, ref = self.service.prepare(body, streamed=True)
         except RequestError as e:
             raise SessionEnd(e) from None
-        req.ref_audio = None
         self.text = TextInput(req.input)
         req.input = ""  # the text goes to the worker as it arrives
         self.req, self.ref_audio = req, ref
         await self._send_json({"type": "session.created", "id": self.rid, "sample_rate": SAMPLE_RATE,
-                               "variant": str(req.variant or server.engine.active.variant)})  # fmt: skip
+                               "variant": str(req.variant or self.service.engine.active.variant)})  # fmt: skip
         if self.text.chars:
             self._begin()
 
@@ -296,8 +283,7 @@ class _Session:
         """Start the synthesis once there is text: until then the session holds no stream, no
         place in a queue and no real-time slot (`/load` counts it in sessions_waiting_for_text)."""
         if self.pump is None:
-            chunks = self.server.engine.stream(self.req, ref_audio=self.ref_audio, result=self.result,
-                                               text=self.text)  # fmt: skip
+            chunks = self.service.stream(self.req, self.ref_audio, self.result, text=self.text)
             self.pump = asyncio.ensure_future(self._pump(chunks))
 
     async def _append(self, text) -> None:
@@ -306,10 +292,7 @@ class _Session:
         check_text(text, "text")  # each piece, as it comes: the worker's tokenizer never sees it
         if self.text.ended:
             raise SessionEnd(RequestError("input_text.append after input_text.end"))
-        limit = self.server.config.limits.max_input_chars
-        if self.text.chars + len(text) > limit:  # the message POST gives a longer `input`
-            raise SessionEnd(RequestError(f"input is longer than {limit} characters; split it",
-                                          param="input"))  # fmt: skip
+        check_length(self.text.chars + len(text), self.config.limits)  # over all pieces, as POST's `input`
         self.text.append(text)
         if text:
             self._begin()
@@ -322,18 +305,17 @@ class _Session:
 
     async def _pump(self, chunks) -> str:
         """The synthesis: audio out as it is made, then `response.done`; the outcome."""
-        speech = self.routes.speech
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     await self._send_bytes(chunk.pcm)
-                    speech._observe_chunk(chunk, self.result)
+                    self.service.observe_chunk(chunk, self.result)
                     self.chunks += 1
                     self.samples += len(chunk.pcm) // 2
                     if self.chunks == 1:
                         ms = (time.perf_counter() - self.t0) * 1000
                         await self._send_json({"type": "response.first_audio", "ms": round(ms, 1)})
-            speech._observe_done(self.result, self.rid, self.t0, self.chunks)
+            self.service.observe_done(self.result, self.rid, self.t0, self.chunks)
             # the variant that served (session.created named the active one at the start: a
             # swap in between moves a request that had not started to the new one)
             await self._send_json({"type": "response.done", **self._counts(),
@@ -365,7 +347,7 @@ class _Session:
         self.outcome = str(error.status)
         logger.info("%s: error %d: %s", self.rid, error.status, error.message)
         with contextlib.suppress(ClientGone, RuntimeError):
-            await self._send_json(error_event(error, self.server.config.retry_after_s))
+            await self._send_json(error_event(error, self.config.retry_after_s))
         code = CLOSE_CLIENT_ERROR if error.status < 500 else CLOSE_SERVER_ERROR
         await self.ws.close(code=code, message=error.message[:120].encode())
         return str(error.status)
@@ -385,7 +367,7 @@ class _Session:
         """One frame, whole; a client that stops reading ends the session after the timeout."""
         async with self._send_lock:
             try:
-                await asyncio.wait_for(coro, self.server.config.ws_send_timeout_s)
+                await asyncio.wait_for(coro, self.config.ws_send_timeout_s)
             except TimeoutError:
                 raise ClientGone("the client stopped reading (send timed out)") from None
             except ConnectionError as e:

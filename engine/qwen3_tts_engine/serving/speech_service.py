@@ -1,0 +1,104 @@
+"""The speech service: what `POST /v1/audio/speech` and the WebSocket share, written once.
+
+`prepare` turns a request body into the request the engine runs (parse and validate the
+fields, the server's voice aliases and defaults, the model's own checks, the reference audio);
+`stream` runs it; `observe_chunk` / `observe_done` are its metrics, log line and trace spans.
+The routes (`speech.py`, `speech_stream.py`) are adapters from HTTP or a socket to this, built
+from the service, not from the whole server.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+
+from opentelemetry import trace
+
+from qwen3_tts_engine.dispatch.engine import Engine
+from qwen3_tts_engine.dispatch.handler import AudioChunk, Result
+from qwen3_tts_engine.dispatch.text_input import TextInput
+from qwen3_tts_engine.log import logger
+from qwen3_tts_engine.protocol import RequestError, SpeechRequest, parse_speech_request
+from qwen3_tts_engine.serving.metrics import Metrics
+from qwen3_tts_engine.serving.ref_audio import resolve_ref_audio
+from qwen3_tts_engine.serving.server_config import ServerConfig
+from qwen3_tts_engine.serving.tracing import tracer
+
+
+def decode_json(data: str | bytes, what: str) -> object:
+    """A request body or a socket message as JSON; RequestError when it is not JSON, or nested
+    too deeply or holds a number too long for Python's parser (both paths read JSON so)."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise RequestError(f"{what} is not valid JSON (or is nested too deeply)") from None
+
+
+def voice_aliases(engine: Engine, config: ServerConfig) -> dict[str, str]:
+    """The configured voice aliases whose voice the loaded model has."""
+    voices = set(engine.active.info.get("voices", []))
+    return {a.lower(): v for a, v in config.voice_aliases.items() if v.lower() in voices}
+
+
+class SpeechService:
+    def __init__(self, engine: Engine, config: ServerConfig, metrics: Metrics) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+
+    def prepare(self, body: object, *, streamed: bool) -> tuple[SpeechRequest, bytes | None]:
+        """The request and its reference audio's bytes from a decoded JSON body; RequestError
+        (with the field) for anything wrong. `streamed`: a WebSocket session's `session.start`
+        (its text comes later; `protocol.parse_speech_request`)."""
+        req = parse_speech_request(body, self.config.limits, text_stream=streamed)
+        req.voice = self.voice(req.voice)
+        req.text_start_tokens = req.text_start_tokens or self.config.text_start_tokens
+        req.text_pace = req.text_pace or self.config.text_pace
+        self.engine.validate(req)
+        ref = resolve_ref_audio(req.ref_audio, self.config.ref_audio_dir, self.config.limits.max_ref_audio_bytes)
+        req.ref_audio = None  # the worker gets the bytes, not the encoded string
+        return req, ref
+
+    def voice(self, voice: str | None) -> str | None:
+        """A model voice as asked, or the voice an alias names (unknown names stay for the
+        model check to refuse, with the list of voices)."""
+        if voice is None or voice.lower() in self.engine.active.info.get("voices", []):
+            return voice
+        return voice_aliases(self.engine, self.config).get(voice.lower(), voice)
+
+    def stream(self, req: SpeechRequest, ref_audio: bytes | None, result: Result,
+               text: TextInput | None = None) -> AsyncIterator[AudioChunk]:  # fmt: skip
+        """The audio of `req`, chunk by chunk (errors surface on iteration; the handler, and so
+        the variant, is chosen when the synthesis starts, which may be after a swap)."""
+        return self.engine.stream(req, ref_audio=ref_audio, result=result, text=text)
+
+    def served_by(self, result: Result) -> str:
+        return str(result.variant or self.engine.active.variant)
+
+    def observe_chunk(self, chunk: AudioChunk, result: Result) -> None:
+        variant = str(result.variant)
+        if chunk.index == 0:
+            self.metrics.first_audio.labels(variant).observe(result.first_audio_s or 0.0)
+            self.metrics.queue_wait.labels(variant).observe(result.queue_wait_s)
+        self.metrics.chunk_compute.labels(variant).observe(chunk.compute_s)
+
+    def observe_done(self, result: Result, rid: str, t0: float, n: int) -> None:
+        total = time.perf_counter() - t0
+        logger.info("%s done: variant %s, %d chunks, first audio %.3fs, total %.3fs", rid,
+                    result.variant, n, result.first_audio_s or -1, total)  # fmt: skip
+        span = trace.get_current_span()
+        if not span.is_recording():
+            return
+        stats = result.stats or {}
+        span.set_attributes({"qwen3_tts.variant": str(result.variant), "qwen3_tts.chunks": n,
+                             "qwen3_tts.frames": int(stats.get("frames", 0)),
+                             "qwen3_tts.queue_wait_s": result.queue_wait_s,
+                             "qwen3_tts.first_audio_s": result.first_audio_s or -1.0})  # fmt: skip
+        # the handler's part, as children: waiting for the worker, then synthesizing
+        end = time.time_ns()
+        start = end - int(total * 1e9)
+        queued = start + int(min(result.queue_wait_s, total) * 1e9)
+        attrs = {"qwen3_tts.variant": str(result.variant)}
+        tracer.start_span("qwen3_tts.queue", start_time=start, attributes=attrs).end(end_time=queued)
+        tracer.start_span("qwen3_tts.synthesis", start_time=queued, attributes=attrs).end(end_time=end)
