@@ -1,6 +1,7 @@
 """Smoke runs of the seven benchmark commands as a user runs them (real subprocesses, tiny
 checkpoints, offline assets), with their smallest settings: the JSON has the fields the README
-documents and the measured numbers are positive. Speed numbers are not checked.
+documents and the measured numbers are positive. Speed numbers are not checked against targets;
+what a report derives from them (ratios, the goals' verdicts, counts) is checked against them.
 
 `qwen3-tts bench` runs one 4-frame request per measurement and 1 + 1 + 2 HTTP requests
 (`--frames 4 --clients 1,2 --repeats 1`); `qwen3-tts bench swap` loads each variant once for
@@ -32,6 +33,13 @@ def _run(exe: str, *args: str, env: dict | None = None, timeout: float = 840) ->
 def _positive(value, what: str) -> None:
     assert isinstance(value, int | float) and not isinstance(value, bool), (what, value)
     assert math.isfinite(value) and value > 0, (what, value)
+
+
+def _p50_ratio(a: dict, b: dict, column: str) -> float:
+    """Two `voice-agent bench` configurations' p50 of `column`, a over b (both must have it)."""
+    x, y = a["summary"][column], b["summary"][column]
+    assert x and y, (column, x, y)
+    return x["p50"] / y["p50"]
 
 
 def _summary(s: dict, what: str, n: int | None = None) -> None:
@@ -136,6 +144,20 @@ def test_qwen3_tts_bench_swap(tiny_checkpoint, tmp_path):
     assert set(goal) == {"latency_within_plain_load_plus_100ms", "machinery_overhead_under_100ms",
                          "zero_lost_or_truncated_chunks"}  # fmt: skip
     assert goal["zero_lost_or_truncated_chunks"] is True
+    # The speed goals' verdicts are the machine's business; each is the bench's own comparison
+    # of what it measured, one per swap (both modes, under load and idle).
+    cases = {f"{mode} {case}": m[case] for mode, m in report["modes"].items()
+             for case in ("under_load", "idle")}  # fmt: skip
+    assert len(cases) == 4
+    for name, c in cases.items():
+        drain = c["drain_s"] if name.startswith("break-before-make") else 0.0  # waited by design
+        assert c["latency_minus_drain_minus_plain_load_s"] == pytest.approx(
+            c["latency_s"] - drain - c["plain_load_s"]), name
+        assert c["machinery_overhead_s"] == pytest.approx(c["latency_s"] - drain - c["load_in_swap_s"]), name
+    assert goal["latency_within_plain_load_plus_100ms"] == {
+        name: c["latency_minus_drain_minus_plain_load_s"] <= 0.1 for name, c in cases.items()}
+    assert goal["machinery_overhead_under_100ms"] == {
+        name: c["machinery_overhead_s"] <= 0.1 for name, c in cases.items()}
 
 
 def test_voice_agent_bench(tmp_path):
@@ -162,39 +184,65 @@ def test_voice_agent_bench(tmp_path):
     assert settings["clause"] == {**settings["tuned"], "tts_text_input": "sentences"}
     for name in ("tuned", "clause", "baseline"):
         config = report[name]
-        assert [t["kind"] for t in config["turns"]] == ["plain", "paused"]
-        assert config["turns"][1]["pause_s"] == report["paused_set"][0]["pause_s"] > 0
-        for turn in config["turns"]:
-            if turn["silent"]:  # the random LLM answered nothing: no reply latencies
-                continue
-            for key in ("voice_to_voice_s", "llm_ttft_s", "tts_first_chunk_compute_s"):
+        turns = config["turns"]
+        assert [t["kind"] for t in turns] == ["plain", "paused"]
+        assert turns[1]["pause_s"] == report["paused_set"][0]["pause_s"] > 0
+        # The random LLM may answer nothing speakable (about 1 reply in 2000 here): such a turn
+        # is silent, counted as such, and has no reply (no message with LiveKit's LLM and TTS
+        # times). The rest are timed in full.
+        silent = [t for t in turns if t["silent"]]
+        voiced = [t for t in turns if not t["silent"]]
+        assert config["silent_turns"] == len(silent), (name, config["silent_turns"], silent)
+        for turn in silent:
+            assert turn["llm_ttft_s"] is None and turn["tts_ttfb_s"] is None, turn
+            assert turn["llm_requests"] >= 1, turn
+        assert voiced, f"{name}: every turn was silent: {turns}"
+        for turn in voiced:
+            for key in ("voice_to_voice_s", "llm_ttft_s", "llm_ttfs_s", "tts_ttfb_s",
+                        "tts_first_chunk_compute_s"):  # fmt: skip
                 _positive(turn[key], key)
-            # the end of speech is the caller's last sample; LiveKit's delays count from the VAD's
-            assert -0.5 < turn["vad_end_lag_s"] < 1.0, turn
-            assert turn["end_of_turn_s"] == pytest.approx(turn["end_of_turn_delay_s"] + turn["vad_end_lag_s"])
-            if turn["added_s"] is not None:
-                llm = turn["llm_ttfs_s"] if turn["llm_ttfs_s"] is not None else turn["llm_ttft_s"]
-                if settings[name]["preemptive_generation"]:  # only the LLM time after the commit counts,
-                    # at most all of it from the final transcript on
-                    llm = max(0.0, llm - max(0.0, turn["end_of_turn_s"] - (turn["transcription_s"] or 0.0)))
-                parts = turn["end_of_turn_s"] + llm + turn["tts_first_chunk_compute_s"]
-                assert turn["added_s"] == pytest.approx(turn["voice_to_voice_s"] - parts)
-            if turn["llm_first_token_to_audio_s"] is not None:  # LiveKit's ttfs - ttft + ttfb
-                first = turn["llm_ttfs_s"] - turn["llm_ttft_s"] + turn["tts_ttfb_s"]
-                assert turn["llm_first_token_to_audio_s"] == pytest.approx(first)
+            # The end of speech is the caller's last sample; LiveKit's delays count from the VAD's,
+            # which Silero dates at most 0.5 s before it. On one clock the VAD's end of speech
+            # comes before the turn is committed, and that before the reply's first audio (how
+            # long after is the machine's business).
+            lag = turn["vad_end_lag_s"]
+            assert -0.5 < lag <= turn["end_of_turn_s"] <= turn["voice_to_voice_s"], turn
+            assert turn["end_of_turn_s"] == pytest.approx(turn["end_of_turn_delay_s"] + lag)
+            # what the glue adds: voice-to-voice less the end of turn, the LLM's time to its first
+            # sentence and the TTS's first chunk; with preemptive generation only the time after
+            # the commit counts, at most all of it from the final transcript on
+            eot, tts = turn["end_of_turn_s"], turn["tts_first_chunk_compute_s"]
+            preemptive = settings[name]["preemptive_generation"]
+            lead = max(0.0, eot - (turn["transcription_s"] or 0.0)) if preemptive else 0.0
+            tts_early = preemptive and settings[name]["preemptive_tts"]
+            early, late = (turn["llm_ttfs_s"] + tts, 0.0) if tts_early else (turn["llm_ttfs_s"], tts)
+            added = turn["voice_to_voice_s"] - eot - max(0.0, early - lead) - late
+            assert turn["added_s"] == pytest.approx(added), turn
+            first = turn["llm_ttfs_s"] - turn["llm_ttft_s"] + turn["tts_ttfb_s"]  # LiveKit's
+            assert turn["llm_first_token_to_audio_s"] == pytest.approx(first)
             assert 1 <= turn["llm_requests"] and 0 <= turn["llm_wasted"] < turn["llm_requests"]
             assert 0 <= turn["tts_wasted"] <= turn["tts_requests"]
         assert set(config["ended_early"]) == {"plain", "paused"}
         summary = config["summary"]["voice_to_voice_s"]
-        assert not summary or summary["p95"] >= summary["p50"] > 0
-    for key, value in report["ratios"].items():
-        assert value is None or value > 0, key
+        assert summary["n"] == len(voiced) and summary["p95"] >= summary["p50"] > 0, summary
+    # tuned over baseline, and streamed text (tuned) over clause mode: each p50 ratio as measured
+    ratios = {"end_of_turn_p50": "end_of_turn_s", "transcription_p50": "transcription_s",
+              "voice_to_voice_p50": "voice_to_voice_s", "livekit_end_of_turn_delay_p50": "end_of_turn_delay_s"}
+    assert set(report["ratios"]) == set(ratios)
+    for key, column in ratios.items():
+        expected = _p50_ratio(report["tuned"], report["baseline"], column)
+        assert expected > 0 and report["ratios"][key] == pytest.approx(expected), key
     vs_clause = report["streaming_vs_clause"]
     assert vs_clause["text_streamed"] is True
     assert vs_clause["ended_early"] == {"tuned": report["tuned"]["ended_early"],
                                         "clause": report["clause"]["ended_early"]}  # fmt: skip
-    for key in ("llm_first_token_to_audio_p50", "voice_to_voice_p50"):
-        assert vs_clause[key] is None or vs_clause[key] > 0, key
+    for key, column in (("llm_first_token_to_audio_p50", "llm_first_token_to_audio_s"),
+                        ("voice_to_voice_p50", "voice_to_voice_s")):  # fmt: skip
+        expected = _p50_ratio(report["tuned"], report["clause"], column)
+        assert expected > 0 and vs_clause[key] == pytest.approx(expected), key
+    # the plain question's transcript, tuned against baseline
+    wer = report["plain_transcript_wer_vs_baseline"]
+    assert isinstance(wer, int | float) and wer >= 0, wer
     assert report["goals"]["end_of_turn_p50_ratio"] == 0.5 and report["goals"]["added_p95_s"] == 0.060
     # TTS first audio while the LLM generates / idle
     _summary(report["tts_first_audio_idle_s"], "tts idle", n=1)

@@ -4,10 +4,13 @@ The fast tests run the aiohttp app in-process with a made-up key pair: the token
 input (4xx JSON), a missing livekit-client build, and that the API secret reaches no response.
 The slow test is the call test of `test_livekit_call.py` with a browser as the caller: a LiveKit
 server, the scripted LLM, the TTS engine, a `voice-agent start` worker and a `voice-agent web`
-server run on 127.0.0.1; `tests/support/browser/call.mjs` (playwright-core) drives Debian's Chromium,
-whose fake microphone plays an espeak-ng question from a WAV file, through the page: Join (into a
-room the server picks: by default the page has no room field), the user's transcript, the
-agent's transcript, audible agent audio and the page's latency readout.
+server run on 127.0.0.1; `tests/support/browser/call.mjs` (playwright-core) drives Debian's Chromium
+through the page: Join (into a room the server picks: by default the page has no room field),
+the agent's subscription to the microphone, whose track then plays an espeak-ng question from a
+WAV file, the user's transcript, the agent's transcript, audible agent audio and the page's
+latency readout. Every wait is for an event, bounded by a hang guard; times are compared only
+on one clock (the page's, or the worker's against the page's readings as intervals that contain
+it).
 
 Needs `scripts/install_browser.sh` (Debian chromium; npm ci for livekit-client and
 playwright-core). Without it the browser test is skipped with the reason, or fails when CI is set.
@@ -54,7 +57,7 @@ INSTALL_HINT = "run scripts/install_browser.sh (Debian chromium, npm ci for the 
 SECRET = "fake-api-secret-for-the-web-tests-0123456789"  # long enough for HMAC-SHA256
 WORDS = ("time",)  # of QUESTION: tiny.en on Opus-coded audio hears "time", not always "what"
 AGENT_WORDS = ("noon",)  # of the scripted LLM's answer
-BROWSER_TIMEOUT = 75  # seconds for call.mjs from launch to the latency readout
+BROWSER_TIMEOUT = 300  # seconds for call.mjs from launch to the latency readout: a hang guard
 
 
 def _settings(**kw) -> WebSettings:
@@ -187,10 +190,10 @@ def browser_tools() -> None:
 
 
 def _question_wav(path: Path) -> Path:
-    """The question at 48 kHz, 16-bit mono, with silence before it (the agent subscribes to the
-    microphone) and after it (the agent's end of turn); Chromium plays it once from the start."""
+    """The question at 48 kHz, 16-bit mono, with a little silence around it; call.mjs plays it
+    once into the microphone when the agent has subscribed to it (silence follows it there)."""
     samples, rate = read_wav(speech_wav(QUESTION, sample_rate=48000))
-    samples = pad_silence(samples, rate, before=2.0, after=4.0)
+    samples = pad_silence(samples, rate, before=0.5, after=0.5)
     with wave.open(str(path), "wb") as w:
         w.setnchannels(1)
         w.setsampwidth(2)
@@ -251,6 +254,7 @@ def _drive_browser(url: str, wav: Path, room: str, screenshot: Path, log: Path) 
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # hang guards: the worker's start (120 s), the browser's call (300 s)
 async def test_call_from_chromium(browser_tools, livekit_server, tiny_checkpoint, tmp_path,  # noqa: F811
                                   record_property):  # fmt: skip
     server = livekit_server
@@ -289,7 +293,7 @@ async def test_call_from_chromium(browser_tools, livekit_server, tiny_checkpoint
 
         await _until(lambda: "registered worker" in log.read_text(errors="replace"),
                      "the worker to register", alive=alive)  # fmt: skip
-        async with httpx.AsyncClient(base_url=web_url, timeout=5) as http:
+        async with httpx.AsyncClient(base_url=web_url, timeout=60) as http:
             await _web_ready(http, alive)
             await _web_checks(http, server)
         print(f"servers ready {time.monotonic() - t_start:.1f}s after the test started")
@@ -299,6 +303,9 @@ async def test_call_from_chromium(browser_tools, livekit_server, tiny_checkpoint
         result = await asyncio.to_thread(_drive_browser, f"{web_url}/", wav, "", screenshot,
                                          tmp_path / "browser.log")  # fmt: skip
         record_property("browser_s", round(time.monotonic() - t_browser, 2))
+        if result.get("ok"):  # the turn's line, with LiveKit's e2e_latency (asserted below)
+            await _until(lambda: "e2e_latency=" in log.read_text(errors="replace"),
+                         "the worker's turn log", alive=alive)  # fmt: skip
     finally:
         if web is not None:
             await asyncio.to_thread(_stop_group, web)
@@ -326,16 +333,25 @@ async def test_call_from_chromium(browser_tools, livekit_server, tiny_checkpoint
     assert all(w in agent for w in AGENT_WORDS), context  # the scripted answer, after the tool
     assert any(m.get("role") == "tool" for m in llm.requests[-1]["messages"]), llm.requests
     assert state["mic_heard"] and state["agent_heard"], context
-    # voice-to-voice: Silero's ~0.55 s end-of-speech wait at least; on 2 CPU cores a few seconds
-    assert 500 <= state["latency_ms"] <= 30_000, context
+    # voice-to-voice: Silero's ~0.55 s end-of-speech wait at least (how long it takes beyond that
+    # is the machine's business). On the page's clock it lies inside the call: from the user's
+    # last sound (after the question began) to the agent's first (before the readout was seen).
+    assert state["latency_ms"] >= 500, context
+    page_steps = result["page_steps_ms"]
+    assert 0 <= result["question_start_ms"] <= page_steps["user_transcript"], context
+    assert state["latency_ms"] <= page_steps["latency"] - result["question_start_ms"], context
+    # the part after the agent's "thinking": none when the page saw no "thinking" after the
+    # user's last sound (LiveKit may deliver "thinking" and "speaking" as one update)
     if state["latency_after_turn_ms"] is not None:
         assert 0 <= state["latency_after_turn_ms"] <= state["latency_ms"], context
     # LiveKit's own e2e_latency (the worker's VAD end of speech -> its first audio frame out) is
-    # inside the page's reading, which adds the network legs, Opus and the jitter buffer
+    # inside the page's reading, which adds the network legs, Opus and the jitter buffer (their
+    # length is the machine's business: no upper bound); 150 ms for where Silero and the page's
+    # analyser put the end of the question
     e2e = [float(x) * 1000 for x in re.findall(r"e2e_latency=([\d.]+)s", log.read_text(errors="replace"))]
-    if e2e:
-        print(f"the worker's e2e_latency: {e2e[0]:.0f} ms")
-        assert e2e[0] - 150 <= state["latency_ms"] <= e2e[0] + 2000, (e2e, context)
+    assert e2e, f"no e2e_latency in the worker's turn log: {context}"
+    print(f"the worker's e2e_latency: {e2e[0]:.0f} ms")
+    assert e2e[0] - 150 <= state["latency_ms"], (e2e, context)
     assert result.get("left_room"), context
     assert not result["page_errors"], context
     print(f"latency shown: {state['latency_ms']} ms voice-to-voice, "
@@ -360,7 +376,7 @@ async def _web_rooms(server, result: dict) -> list[str]:
     return [r.name for r in rooms if r.name.startswith(web_client.ROOM_PREFIX)]
 
 
-async def _web_ready(http: httpx.AsyncClient, alive, timeout: float = 30.0) -> None:
+async def _web_ready(http: httpx.AsyncClient, alive, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if problem := alive():
