@@ -24,6 +24,7 @@ from livekit.plugins import faster_whisper, qwen3_tts, silero
 
 from voice_agent.observability import APOLOGIES
 from voice_agent.settings import Settings
+from voice_agent.telephony import PHONE_SAMPLE_RATE
 from voice_agent.text_filters import TTS_TEXT_TRANSFORMS
 from voice_agent.turn_rules import RuleTurnDetector
 
@@ -80,13 +81,16 @@ def build_llm(settings: Settings, base_url: str):
     )  # fmt: skip
 
 
-def build_tts(settings: Settings, url: str):
+def build_tts(settings: Settings, url: str, *, phone: bool = False):
+    """Qwen3-TTS; `phone`: asking the engine for phone-rate audio (PHONE_SAMPLE_RATE) where the
+    engine's protocol has the field (qwen3-tts; vLLM-Omni sends 24 kHz, LiveKit resamples)."""
+    rate = PHONE_SAMPLE_RATE if phone and settings.tts_protocol == "qwen3-tts" else qwen3_tts.SAMPLE_RATE
     return qwen3_tts.TTS(
         base_url=url, voice=settings.tts_voice, language=settings.tts_language,
         protocol=settings.tts_protocol, max_new_tokens=settings.tts_max_new_tokens,
         first_clause_min_words=settings.tts_first_clause_words,
         first_clause_chunk_frames=settings.tts_first_clause_chunk_frames,
-        text_input=settings.tts_text_input,
+        text_input=settings.tts_text_input, sample_rate=rate,
     )  # fmt: skip
 
 
@@ -114,19 +118,20 @@ def build_turn_detector(settings: Settings):
 
 
 def build_session(settings: Settings, *, tts_url: str, llm_url: str, vad=None, stt=None,
-                  echo_free: bool = False) -> AgentSession:  # fmt: skip
+                  echo_free: bool = False, phone: bool = False) -> AgentSession:  # fmt: skip
     """An AgentSession with VAD turn detection, an end-of-turn check on the transcript
     (TURN_DETECTOR), LiveKit's endpointing delays, preemptive generation and barge-in.
 
     LiveKit ignores interruptions for the first 3 s of agent speech while echo cancellation warms
-    up; `echo_free` (captured audio, no speaker feeding a microphone) turns that off.
+    up; `echo_free` (captured audio, no speaker feeding a microphone) turns that off. `phone`:
+    a caller of kind SIP (the TTS asks for phone-rate audio, `build_tts`).
     """
     extra = {"aec_warmup_duration": None} if echo_free else {}
     return AgentSession(
         vad=vad or build_vad(settings),
         stt=stt or build_stt(settings),
         llm=build_llm(settings, llm_url),
-        tts=build_tts(settings, tts_url),
+        tts=build_tts(settings, tts_url, phone=phone),
         turn_handling={
             "turn_detection": build_turn_detector(settings),
             "endpointing": {"mode": "fixed", "min_delay": settings.endpointing_min_delay,

@@ -25,6 +25,11 @@ ATTR_TRUNK_PHONE_NUMBER = "sip.trunkPhoneNumber"
 ATTR_CALL_STATUS = "sip.callStatus"
 DIGIT_GAP_S = 1.0  # digits pressed closer together than this reach the LLM as one input
 TRANSFER_TIMEOUT_S = 30.0
+# The rate the TTS engine is asked for (and the agent's audio track is published at) on a phone
+# call: wideband telephony (G.722, Opus at 16 kHz) carries up to 7-8 kHz, and narrowband G.711
+# (8 kHz) is made from it by LiveKit's SIP bridge; 24 kHz would only make audio the phone drops
+# (docs/telephony.md "Phone-rate audio").
+PHONE_SAMPLE_RATE = 16000
 TRANSFER_FAILED = "Sorry, I could not transfer your call. I am still here with you."
 NO_TRANSFER = "Sorry, I cannot transfer calls. I am still here with you."
 

@@ -16,7 +16,7 @@ import threading
 from livekit.agents import AgentServer, JobContext, JobProcess, cli
 from livekit.agents.beta.tools import EndCallTool
 from livekit.agents.telemetry import set_tracer_provider
-from livekit.agents.voice.room_io import RoomOptions
+from livekit.agents.voice.room_io import AudioOutputOptions, RoomOptions
 from livekit.agents.worker import _DefaultLoadCalc
 
 from voice_agent.fleet_load import FleetPoller
@@ -31,7 +31,7 @@ from voice_agent.recovery import (
 )
 from voice_agent.services import LocalService, ensure_llm, ensure_tts_engine, resolve_offline
 from voice_agent.settings import Settings, parse_dtmf_actions
-from voice_agent.telephony import PhoneCall, PhoneCaller
+from voice_agent.telephony import PHONE_SAMPLE_RATE, PhoneCall, PhoneCaller
 
 logger = logging.getLogger("voice_agent")
 
@@ -89,7 +89,7 @@ async def entrypoint(ctx: JobContext) -> None:
     caller = PhoneCaller.of(participant)
     vad = ctx.proc.userdata["phone_vad" if caller else "vad"]
     session = build_session(settings, tts_url=os.environ["TTS_URL"], llm_url=os.environ["LLM_BASE_URL"],
-                            vad=vad, stt=ctx.proc.userdata["stt"])  # fmt: skip
+                            vad=vad, stt=ctx.proc.userdata["stt"], phone=caller is not None)  # fmt: skip
     TurnMetrics(session)  # one log line per turn, with LiveKit's per-turn latencies
     if (provider := ctx.proc.userdata.get("tracer_provider")) is not None:
         async def flush_traces(*_) -> None:  # the call's spans leave before the process may end
@@ -113,7 +113,7 @@ async def entrypoint(ctx: JobContext) -> None:
                     caller.trunk_phone_number)  # fmt: skip
     record = CallRecord(ctx, session, keeper_url=settings.keeper_url)  # history in the room; heartbeats
     await session.start(agent=VoiceAgent(instructions, tools, chat_context(record.resumed)), room=ctx.room,
-                        room_options=RoomOptions(participant_identity=participant.identity))  # fmt: skip
+                        room_options=room_options(participant.identity, phone=caller is not None))
     record.start()
     ctx.add_shutdown_callback(record.aclose)
     if settings.worker_tag:  # which worker (host) serves this call, for operators and tests
@@ -128,6 +128,16 @@ async def entrypoint(ctx: JobContext) -> None:
         ctx.add_shutdown_callback(lambda *_: _aclose(call))
         if settings.phone_greeting and not resumed:
             session.say(caller.greeting(settings.phone_greeting))
+
+
+def room_options(identity: str, *, phone: bool) -> RoomOptions:
+    """The session's room I/O, linked to `identity`; on a phone call the agent's track is
+    published at PHONE_SAMPLE_RATE, the rate its TTS asks the engine for (no resampling on the
+    way out)."""
+    if phone:
+        return RoomOptions(participant_identity=identity,
+                           audio_output=AudioOutputOptions(sample_rate=PHONE_SAMPLE_RATE))  # fmt: skip
+    return RoomOptions(participant_identity=identity)
 
 
 async def _aclose(call: PhoneCall) -> None:

@@ -70,6 +70,14 @@ class Taken:
 
 
 @dataclass(frozen=True)
+class StepDelay:
+    """Fault injection while serving (`POST /v1/engine/fault`): from its next step on, every
+    batch step sleeps `seconds` per stream in it (0: off), as `WorkerSpec.step_delay_s`."""
+
+    seconds: float
+
+
+@dataclass(frozen=True)
 class QueryMemory:
     pass
 
@@ -153,6 +161,7 @@ class Died:
     exitcode: int | None
 
 
-ToWorker = Synthesize | Cancel | Taken | AppendText | EndText | QueryMemory | Stop | WorkerSpec
+ToWorker = (Synthesize | Cancel | Taken | AppendText | EndText | StepDelay | QueryMemory | Stop
+            | WorkerSpec)  # fmt: skip
 FromWorker = (SpareReady | Ready | LoadFailed | Chunk | TextCommitted | Done | Failed | MemoryReport
               | BatchingReport | StepTimes)  # fmt: skip

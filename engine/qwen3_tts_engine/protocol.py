@@ -12,7 +12,9 @@ import unicodedata
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-SAMPLE_RATE = 24000
+SAMPLE_RATE = 24000  # the model's own rate
+# what a request's `sample_rate` may ask for (the server resamples: audio.Resampler)
+SAMPLE_RATES = (8000, 16000, 24000, 48000)
 FRAME_RATE = 12.5
 FRAME_SAMPLES = 1920  # one 80 ms codec frame at 24 kHz
 CHUNK_FRAMES = 4  # a 4-token chunk: 320 ms, 7680 samples
@@ -62,6 +64,8 @@ HEADER_VARIANT = "X-Qwen3-TTS-Variant"
 HEADER_MODEL = "X-Qwen3-TTS-Model"
 HEADER_SAMPLE_RATE = "X-Sample-Rate"
 HEADER_REQUEST_ID = "X-Request-Id"
+# "true" on a whole (not streamed) response whose utterance ran to its frame cap
+HEADER_CAPPED = "X-Qwen3-TTS-Capped"
 
 LANGUAGES = (
     "auto", "chinese", "english", "japanese", "korean", "german",
@@ -167,6 +171,7 @@ class SpeechRequest:
     text_stream: bool = False  # the text comes in pieces (the WebSocket route), dual-track
     text_start_tokens: int | None = None  # streamed text: text tokens before the first frame
     text_pace: float | None = None  # dual-track: text tokens fed per frame at most (<= 1)
+    sample_rate: int = SAMPLE_RATE  # of the audio sent (SAMPLE_RATES; the server resamples)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -246,6 +251,16 @@ def check_length(chars: int, limits: Limits) -> None:
                            param="input")  # fmt: skip
 
 
+def _sample_rate(body: dict) -> int:
+    rate = _opt(body, "sample_rate", (int,), "an integer (Hz)")
+    if rate is None:
+        return SAMPLE_RATE
+    if rate not in SAMPLE_RATES:
+        raise RequestError(f"sample_rate must be one of {', '.join(map(str, SAMPLE_RATES))} (Hz), "
+                           f"not {rate}", param="sample_rate")  # fmt: skip
+    return rate
+
+
 def parse_speech_request(body: Any, limits: Limits | None = None, *,
                          text_stream: bool = False) -> SpeechRequest:  # fmt: skip
     """Validate a decoded JSON body. Raises RequestError with the offending field.
@@ -265,7 +280,7 @@ def parse_speech_request(body: Any, limits: Limits | None = None, *,
 
     fmt = _opt(body, "response_format", (str,), "a string") or ("pcm" if text_stream else "mp3")
     if text_stream and fmt != "pcm":
-        raise RequestError("streamed text is answered in pcm (s16le, 24 kHz mono); "
+        raise RequestError("streamed text is answered in pcm (s16le mono at sample_rate); "
                            "response_format must be pcm", param="response_format")  # fmt: skip
     if fmt not in RESPONSE_FORMATS:
         raise RequestError(
@@ -347,18 +362,51 @@ def parse_speech_request(body: Any, limits: Limits | None = None, *,
         text_mode=text_mode,
         text_start_tokens=start_tokens,
         text_pace=None if pace is None else float(pace),
+        sample_rate=_sample_rate(body),
     )
 
 
-def default_max_new_tokens(text: str | int) -> int:
-    """A generous cap from the text length (a text or its number of characters) so that
-    runaway generations end.
+# The default frame cap (docs/engine-api.md "The frame cap"): the text at the slowest speaking
+# rate, so that an utterance that never emits end-of-speech still ends, and slow speech is not cut.
+SLOWEST_CHARS_PER_S = 5.0  # slow, deliberate speech, in characters (Latin, Cyrillic...) a second
+CAP_SLACK_FRAMES = 40  # 3.2 s more (a breath, a pause): the cap of an empty text, its floor
+SLOW_SPEECH_FACTOR = 2  # instructions that ask for slow or emotional speech double the time
+# One CJK character (Han, kana, Hangul syllable) is a syllable: it counts as 2 characters (2.5
+# syllables a second at the slowest).
+_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
+# Words (prefixes, at a word's start) of instructions that ask for slow or emotional speech, and
+# their Chinese counterparts (anywhere).
+_SLOW_WORDS = re.compile(
+    r"\b(?:slow|whisper|sad|emotion|cry|cries|sob|tear|dramatic|hesita|paus|sleep|tired|"
+    r"melanchol|grie|mourn|drawl|calm|gentl|soft)|慢|哭|悲|伤心|哽咽|抽泣|低语|耳语|轻声",
+    re.IGNORECASE,
+)
 
-    Speech runs at roughly 12-15 characters per second, i.e. about one 80 ms frame per
-    character; 2.5 frames per character plus 3 s of slack covers slow, expressive speech.
+
+def speech_chars(text: str) -> int:
+    """The characters the frame cap counts: each CJK character counts twice."""
+    return len(text) + len(_CJK.findall(text))
+
+
+def slow_speech(instructions: str | None) -> bool:
+    """Whether `instructions` ask for slow or emotional speech (`_SLOW_WORDS`)."""
+    return bool(instructions) and _SLOW_WORDS.search(instructions) is not None
+
+
+def default_max_new_tokens(text: str | int, instructions: str | None = None) -> int:
+    """The frame cap of a text (or of its `speech_chars` count) when the request sets no
+    `max_new_tokens`, so that a generation that never emits end-of-speech ends:
+
+        ceil(speech_chars * FRAME_RATE * factor / SLOWEST_CHARS_PER_S) + CAP_SLACK_FRAMES
+
+    i.e. 2.5 frames per character + 40, `factor` 2 (5 frames per character) when the
+    instructions ask for slow or emotional speech (`slow_speech`), never above
+    `Limits.max_new_tokens`.
     """
-    chars = text if isinstance(text, int) else len(text)
-    return min(4096, math.ceil(chars * 2.5) + 40)
+    chars = text if isinstance(text, int) else speech_chars(text)
+    factor = SLOW_SPEECH_FACTOR if slow_speech(instructions) else 1
+    frames = math.ceil(chars * FRAME_RATE * factor / SLOWEST_CHARS_PER_S) + CAP_SLACK_FRAMES
+    return min(Limits.max_new_tokens, frames)
 
 
 # -- response bodies of the operator endpoints (typed; `to_json` is what goes on the wire) ------

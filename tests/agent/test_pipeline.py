@@ -85,6 +85,22 @@ async def test_tts_text_input_reaches_the_plugin():
             await tts.aclose()
 
 
+async def test_a_phone_call_asks_the_engine_for_phone_rate_audio():
+    """A caller of kind SIP: the TTS asks for (and says) PHONE_SAMPLE_RATE; others get 24 kHz;
+    vLLM-Omni, which has no such field, keeps 24 kHz (LiveKit resamples)."""
+    from voice_agent.telephony import PHONE_SAMPLE_RATE
+
+    cases = [(Settings(), True, PHONE_SAMPLE_RATE), (Settings(), False, 24000),
+             (Settings(tts_protocol="vllm-omni"), True, 24000)]  # fmt: skip
+    for settings, phone, rate in cases:
+        tts = build_tts(settings, "http://127.0.0.1:9", phone=phone)
+        try:
+            assert tts.sample_rate == tts._opts.sample_rate == rate
+        finally:
+            await tts.aclose()
+    assert PHONE_SAMPLE_RATE == 16000
+
+
 async def test_barge_in_stops_agent_audio_and_cancels_tts(engine):
     long_answer = ("This is a long answer. " * 6).strip()
     llm = await ScriptedChatServer(long_answer, use_tool=False).start()

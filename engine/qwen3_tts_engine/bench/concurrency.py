@@ -194,6 +194,7 @@ async def _http(model_path: str, levels: list[int], frames: int, repeats: int,
     server = build_server(EngineConfig(model_path, max_batch=max(levels), compute_dtype=compute_dtype,
                                        server=ServerConfig(port=0), frame_budget_s=None))  # fmt: skip
     await server.start()
+    server.engine.active.steps.max_age_s = None  # the sizing reads every level's steps, however old
     url = f"http://127.0.0.1:{server.port}/v1/audio/speech"
     voice = (server.engine.active.info["voices"] or [None])[0]
     runs: dict[int, list] = {n: [] for n in levels}

@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten
 from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
 from mlx_audio.tts.utils import load_model
 
+from qwen3_tts_engine.audio import leading_silence_s
 from qwen3_tts_engine.bench.memory import run_memory_bench
 from qwen3_tts_engine.config import EngineConfig, build_server
 from qwen3_tts_engine.dispatch.handler import Handler, Result
@@ -98,15 +99,19 @@ def _direct_first_audio(model: str, repeats: int, frames: int, queue) -> None:
     queue.put(out[1:])
 
 
-async def _http_first_audio(url: str, body: dict) -> float:
+async def _http_first_audio(url: str, body: dict) -> tuple[float, float]:
+    """Seconds to the first chunk, and to the first audible sample (the first chunk + the
+    audio's leading silence, `audio.leading_silence_s`) of a streamed PCM response."""
     async with httpx.AsyncClient(timeout=600) as c:
         t0 = time.perf_counter()
         first = None
+        pcm = bytearray()
         async with c.stream("POST", url, json=body) as r:
             r.raise_for_status()
-            async for _ in r.aiter_raw():
+            async for data in r.aiter_raw():
                 first = first if first is not None else time.perf_counter() - t0
-    return first
+                pcm += data
+    return first, first + leading_silence_s(bytes(pcm[: len(pcm) // 2 * 2]), SAMPLE_RATE)
 
 
 async def _server_numbers(model: str, repeats: int, frames: int, clients_levels) -> dict:
@@ -120,16 +125,19 @@ async def _server_numbers(model: str, repeats: int, frames: int, clients_levels)
                     "max_new_tokens": frames, "stream": True, "response_format": "pcm"}  # fmt: skip
 
         single = [await _http_first_audio(url, body(i)) for i in range(repeats)]
-        concurrency = {}
+        concurrency, audible = {}, {}
         for clients in clients_levels:
-            firsts: list[float] = []
+            firsts: list[tuple[float, float]] = []
             for r in range(max(1, repeats // clients)):
                 firsts += await asyncio.gather(*(_http_first_audio(url, body(r * 10 + k))
                                                  for k in range(clients)))  # fmt: skip
-            concurrency[str(clients)] = _summary(firsts)
+            concurrency[str(clients)] = _summary([f for f, _ in firsts])
+            audible[str(clients)] = _summary([a for _, a in firsts])
     finally:
         await server.stop()
-    return {"http_first_audio_s": _summary(single), "concurrency_first_audio_s": concurrency}
+    return {"http_first_audio_s": _summary([f for f, _ in single]),
+            "http_first_audible_s": _summary([a for _, a in single]),
+            "concurrency_first_audio_s": concurrency, "concurrency_first_audible_s": audible}  # fmt: skip
 
 
 def real_size_weight_bytes(recipe_name: str) -> dict:

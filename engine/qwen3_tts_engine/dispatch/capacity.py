@@ -7,19 +7,33 @@ every step and reports (streams in the step, seconds) over the pipe (`messages.S
 `slots` is the most streams whose predicted step stays within the budget (at least 1, at most
 `max_batch`). `Admission` starts queued requests in order while fewer than that many run.
 
-The prediction for a size never seen is conservative: the largest smaller size seen, scaled in
-proportion (a batch costs at most that much per stream), and never below a smaller size's. So a
-fresh engine serves one stream, measures, and admits a second once one stream's steps show room,
-and so on up (its steps prove the next size); before any step it has 1 slot. Every prediction is
-at least what the measured steps say a step of that size costs per stream times its streams, so
-steps slowed by a fixed time per stream (the fault injection) bound the slots whatever else
-the machine does.
+The model learns both ways:
+- Samples age. Each size keeps its last `WINDOW` steps, and a sample older than `MAX_AGE_S`
+  (60 s) before the newest sample of any size is dropped. The age runs on the steps, not on the
+  wall clock: an idle engine forgets nothing, but one that has run a minute at small sizes
+  forgets an old slow spell at a larger size (which admission, capped at the slots, would never
+  run again to correct).
+- A size never seen is predicted from the sizes seen. From one size, conservatively as a batch
+  costing at most that much per stream (in proportion above it, the same time below it). From
+  two sizes or more, by a least-squares line over their recent samples, fixed cost + per-stream
+  cost x streams with the per-stream cost at least 0 (batching is cheap: the real 0.6B's four
+  streams cost 1.9x one stream's step, where the proportion would say 4x). Every prediction is
+  at least a smaller size's, so the curve never falls.
+- When streams wait, `Admission` now and then admits one more than the slots (at most once every
+  `PROBE_EVERY_S`, 30 s, of waiting, and only below `max_batch`): its steps measure the next
+  size, and the slots grow if they fit (else no one else starts until the batch is back within
+  the slots). This is how a fresh engine, which knows one size, learns a second one without
+  a proportion that over-predicts it.
+
+Steps slowed by a fixed time per stream (the fault injection, `messages.StepDelay`) put at least
+that time per stream into every measured size, so a measured size over the budget stays over it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -28,6 +42,8 @@ from qwen3_tts_engine.protocol import FRAME_RATE
 FRAME_S = 1 / FRAME_RATE  # the time one frame plays for: 80 ms
 BUDGET_ENV = "QWEN3_TTS_FRAME_BUDGET_MS"
 WINDOW = 16  # steps kept per batch size: four 4-frame chunks, so vocoder steps are averaged in
+MAX_AGE_S = 60.0  # a sample this much older than the newest sample (of any size) is dropped
+PROBE_EVERY_S = 30.0  # while streams wait, one stream over the slots at most this often
 
 
 def parse_budget_ms(text: str | None) -> float | None:
@@ -53,43 +69,84 @@ def default_frame_budget() -> float | None:
 
 
 class StepModel:
-    """Recent step times by batch size, and the predicted step time of any size."""
+    """Recent step times by batch size, and the predicted step time of any size.
 
-    def __init__(self, window: int = WINDOW) -> None:
+    `max_age_s`: samples this much older than the newest one are dropped (None: never); `clock`:
+    the time a sample is observed at, unless `observe` is given one."""
+
+    def __init__(self, window: int = WINDOW, *, max_age_s: float | None = MAX_AGE_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.window = window
-        self._steps: dict[int, deque[float]] = {}
+        self.max_age_s = max_age_s
+        self.clock = clock
+        self._steps: dict[int, deque[tuple[float, float]]] = {}  # size -> (observed at, seconds)
+        self._newest: float | None = None
 
-    def observe(self, streams: int, seconds: float) -> None:
+    def observe(self, streams: int, seconds: float, at: float | None = None) -> None:
         if streams < 1:
             return
-        self._steps.setdefault(streams, deque(maxlen=self.window)).append(seconds)
+        at = self.clock() if at is None else at
+        self._steps.setdefault(streams, deque(maxlen=self.window)).append((at, seconds))
+        self._newest = at if self._newest is None else max(self._newest, at)
+        self._forget()
+
+    def _forget(self) -> None:
+        """Drop the samples older than `max_age_s` before the newest one."""
+        if self.max_age_s is None or self._newest is None:
+            return
+        oldest = self._newest - self.max_age_s
+        for n in list(self._steps):
+            samples = self._steps[n]
+            while samples and samples[0][0] < oldest:
+                samples.popleft()
+            if not samples:
+                del self._steps[n]
 
     def copy(self) -> StepModel:
-        other = StepModel(self.window)
+        other = StepModel(self.window, max_age_s=self.max_age_s, clock=self.clock)
         other._steps = {n: deque(s, maxlen=self.window) for n, s in self._steps.items()}
+        other._newest = self._newest
         return other
 
     def measured(self) -> dict[int, float]:
         """Mean recent step time per batch size seen."""
-        return {n: sum(s) / len(s) for n, s in sorted(self._steps.items()) if s}
+        return {n: sum(v for _, v in s) / len(s) for n, s in sorted(self._steps.items()) if s}
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per stream): the least-squares line through the recent samples
+        of every size, per-stream cost at least 0 (None with fewer than two sizes seen)."""
+        points = [(n, v) for n, s in self._steps.items() for _, v in s]
+        if len({n for n, _ in points}) < 2:
+            return None
+        mean_n = sum(n for n, _ in points) / len(points)
+        mean_v = sum(v for _, v in points) / len(points)
+        spread = sum((n - mean_n) ** 2 for n, _ in points)
+        per_stream = max(0.0, sum((n - mean_n) * (v - mean_v) for n, v in points) / spread)
+        return mean_v - per_stream * mean_n, per_stream
 
     def curve(self, upto: int) -> dict[int, float]:
         """Predicted step seconds for 1..`upto` streams (empty before any step): a size seen, its
-        mean; an unseen one, the largest smaller size seen scaled in proportion (or, with none,
-        the smallest larger size's time); never below a smaller size's prediction."""
+        mean; an unseen one, from the fit of the sizes seen (with one size: in proportion above
+        it, its time below it); never below a smaller size's prediction."""
         measured = self.measured()
         out: dict[int, float] = {}
         if not measured:
             return out
+        line = self.fit()
+        smallest = min(measured)
         previous = 0.0
         for n in range(1, upto + 1):
-            smaller = [m for m in measured if m < n]
             if n in measured:
                 seconds = measured[n]
-            elif smaller:
-                seconds = measured[max(smaller)] * n / max(smaller)
+            elif line is not None:
+                fixed, per_stream = line
+                seconds = max(0.0, fixed + per_stream * n)
+                if n < smallest:  # below every size seen: no dearer than the smallest
+                    seconds = min(seconds, measured[smallest])
+            elif n > smallest:  # the one size seen: at most that much per stream
+                seconds = measured[smallest] * n / smallest
             else:
-                seconds = min(v for m, v in measured.items() if m > n)
+                seconds = measured[smallest]
             previous = out[n] = max(seconds, previous)
         return out
 
@@ -107,18 +164,33 @@ class StepModel:
 
 class Admission:
     """FIFO admission: a request starts while fewer than `limit()` requests run; the others wait
-    in arrival order. `wake()` re-checks after the limit changed (a step report)."""
+    in arrival order. `wake()` re-checks after the limit changed (a step report).
 
-    def __init__(self, limit: Callable[[], int]) -> None:
+    The probe: `wake(probe=True)` (the handler's step reports) admits one request over the limit
+    when requests have waited `probe_every_s` without a break, no probe came in the last
+    `probe_every_s`, exactly `limit()` run (not more: the batch already measures a larger size),
+    and that is below `most` (max_batch). Its steps measure the size one over the slots."""
+
+    def __init__(self, limit: Callable[[], int], *, most: int | None = None,
+                 probe_every_s: float | None = PROBE_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.limit = limit
+        self.most = most  # None: no probes
+        self.probe_every_s = probe_every_s  # None: no probes
+        self.clock = clock
         self.running = 0
+        self.probes = 0  # requests admitted over the limit so far
         self._waiters: deque[asyncio.Future] = deque()
+        self._waiting_since: float | None = None  # the queue has not been empty since
+        self._probed_at: float | None = None
 
     async def acquire(self) -> None:
         if not self._waiters and self.running < self.limit():
             self.running += 1
             return
         fut = asyncio.get_running_loop().create_future()
+        if not self._waiters:
+            self._waiting_since = self.clock()
         self._waiters.append(fut)
         try:
             await fut
@@ -133,9 +205,29 @@ class Admission:
         self.running -= 1
         self.wake()
 
-    def wake(self) -> None:
-        while self._waiters and self.running < self.limit():
-            fut = self._waiters.popleft()
-            if not fut.done():
-                self.running += 1
-                fut.set_result(None)
+    def wake(self, probe: bool = False) -> None:
+        limit = self.limit()
+        while self._waiters and self.running < limit:
+            self._grant()
+        if probe and self._waiters and self.running == limit and self._may_probe(limit):
+            while self._waiters:
+                if self._grant():
+                    self._probed_at = self.clock()
+                    self.probes += 1
+                    break
+
+    def _may_probe(self, limit: int) -> bool:
+        if self.most is None or self.probe_every_s is None or limit >= self.most:
+            return False
+        now = self.clock()
+        waited = self._waiting_since is not None and now - self._waiting_since >= self.probe_every_s
+        return waited and (self._probed_at is None or now - self._probed_at >= self.probe_every_s)
+
+    def _grant(self) -> bool:
+        """Start the first waiter (False: it had left)."""
+        fut = self._waiters.popleft()
+        if fut.done():
+            return False
+        self.running += 1
+        fut.set_result(None)
+        return True

@@ -107,7 +107,10 @@ class Engine:
                                    "variant swap", status=429, code=ENGINE_FULL)  # fmt: skip
             self.gap_waiting += 1
             try:
-                await asyncio.wait_for(self._serving.wait(), self.wait_timeout)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for swallows a cancellation
+                # that comes as the awaited thing completes (a client gone as serving resumes)
+                async with asyncio.timeout(self.wait_timeout):
+                    await self._serving.wait()
             except TimeoutError:
                 raise RequestError("no variant came back into service", status=503) from None
             finally:

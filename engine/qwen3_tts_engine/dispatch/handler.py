@@ -23,7 +23,12 @@ from dataclasses import dataclass
 import psutil
 
 from qwen3_tts_engine import messages as msg
-from qwen3_tts_engine.dispatch.capacity import Admission, StepModel, default_frame_budget
+from qwen3_tts_engine.dispatch.capacity import (
+    PROBE_EVERY_S,
+    Admission,
+    StepModel,
+    default_frame_budget,
+)
 from qwen3_tts_engine.dispatch.launch import spawn_worker
 from qwen3_tts_engine.dispatch.spare import SpareWorker
 from qwen3_tts_engine.dispatch.text_input import TextInput
@@ -83,6 +88,7 @@ class Handler:
         compute_dtype: str | None = None,
         frame_budget_s: float | None | str = "default",
         step_delay_s: float = 0.0,
+        probe_every_s: float | None = PROBE_EVERY_S,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -98,7 +104,8 @@ class Handler:
         # the longest a batch step may take (None: no budget, slots = max_batch); by default
         # QWEN3_TTS_FRAME_BUDGET_MS or 80 ms
         self.frame_budget_s = default_frame_budget() if frame_budget_s == "default" else frame_budget_s
-        self.step_delay_s = step_delay_s  # fault injection (messages.WorkerSpec)
+        self.step_delay_s = step_delay_s  # fault injection (messages.WorkerSpec; set_step_delay)
+        self.probe_every_s = probe_every_s  # while requests wait, one over the slots this often
         self.steps = StepModel()
         self.underruns = 0  # chunks made after their listener needed them (all workers so far)
         self.step_samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)
@@ -113,7 +120,8 @@ class Handler:
         self.memory_reports = 0  # memory answers received from the worker
         self.waiting = 0
         self.in_flight = 0
-        self._slots = Admission(lambda: self.slots)  # FIFO beyond the streams in real time
+        # FIFO beyond the streams in real time; a step report may admit one over (a probe)
+        self._slots = Admission(lambda: self.slots, most=max_batch, probe_every_s=probe_every_s)
         self._idle = asyncio.Event()
         self._idle.set()
         self._ready = asyncio.Event()
@@ -135,7 +143,8 @@ class Handler:
         new = Handler(self.model, variant, warmup=self.warmup, max_queue=self.max_queue,
                        restart=self.restart, load_timeout=self.load_timeout,
                        max_batch=self.max_batch, compute_dtype=self.compute_dtype,
-                       frame_budget_s=self.frame_budget_s, step_delay_s=self.step_delay_s)  # fmt: skip
+                       frame_budget_s=self.frame_budget_s, step_delay_s=self.step_delay_s,
+                       probe_every_s=self.probe_every_s)  # fmt: skip
         new.steps = self.steps.copy()
         return new
 
@@ -161,6 +170,18 @@ class Handler:
         """Streams this handler keeps in real time now (1..max_batch): its measured step time
         against the frame budget (`capacity.py`); max_batch without a budget."""
         return self.steps.slots(self.frame_budget_s, self.max_batch)
+
+    @property
+    def probes(self) -> int:
+        """Requests admitted one over the slots to measure the next size (`capacity.Admission`)."""
+        return self._slots.probes
+
+    def set_step_delay(self, seconds: float) -> None:
+        """Fault injection while serving: every batch step of the worker sleeps `seconds` per
+        stream in it from its next step on (0: off); kept for a restarted worker and a swap's."""
+        self.step_delay_s = seconds
+        if self._conn is not None and self._proc is not None and self._proc.is_alive():
+            self._send(msg.StepDelay(seconds))
 
     def take_step_samples(self) -> list[tuple[int, float]]:
         """The (streams, seconds) steps reported since the last call (for a histogram)."""
@@ -250,7 +271,7 @@ class Handler:
                 self.steps.observe(streams, seconds)
             self.step_samples.extend(m.steps)
             self.underruns += m.underruns
-            self._slots.wake()  # the slots may have grown
+            self._slots.wake(probe=True)  # the slots may have grown; or try one more
         elif isinstance(m, msg.Chunk | msg.TextCommitted | msg.Done | msg.Failed):
             if (queue := self._streams.get(m.id)) is not None:
                 queue.put_nowait(m)
@@ -355,7 +376,11 @@ class Handler:
                 self.waiting -= 1
             self.in_flight += 1
             try:
-                await asyncio.wait_for(self._ready.wait(), self.load_timeout)
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for returns when the event is
+                # already set even if this task was cancelled meanwhile (a client that went away
+                # as its slot came), and the stream then started for nobody and never ended
+                async with asyncio.timeout(self.load_timeout):
+                    await self._ready.wait()
                 result.queue_wait_s = time.perf_counter() - t0
                 result.variant = self.variant
                 # aclosing: an abandoned stream cancels the worker's synthesis and waits for its

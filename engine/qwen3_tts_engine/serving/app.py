@@ -36,6 +36,7 @@ ROUTE_RULES = {
     "GET /health": PUBLIC, "GET /ready": PUBLIC, "GET /load": PUBLIC, "GET /metrics": PUBLIC,
     "POST /v1/audio/speech": API, f"GET {SPEECH_STREAM_PATH}": API, "GET /v1/models": API,
     "GET /v1/engine/status": API, "POST /v1/engine/variant": OPERATOR,
+    "POST /v1/engine/fault": OPERATOR,
 }  # fmt: skip
 
 

@@ -1,7 +1,8 @@
 """Bearer-token auth for `/v1/*`: the server's checks and the header a client sends.
 
 Two keys: the API key (synthesis, models, status) and an optional operator key, which alone may
-change the served variant when it is set (and is accepted wherever the API key is).
+change the engine (its served variant, fault injection) when it is set (and is accepted
+wherever the API key is).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def refusal(header: str | None, need: str, api_key: str | None, operator_key: st
         if carries(header, operator_key):
             return None
         if api_key and carries(header, api_key):
-            return RequestError("changing the variant needs the operator key "
+            return RequestError("changing the engine (its variant, a fault) needs the operator key "
                                 f"({OPERATOR_KEY_ENV}), not the API key", status=403)  # fmt: skip
         return RequestError("missing or wrong bearer token (the operator key)", status=401)
     if authorized(header, api_key, operator_key if need == API else None):

@@ -29,6 +29,8 @@ class Metrics:
             buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30), registry=r)  # fmt: skip
         self.requests = Counter("qwen3_tts_requests_total", "Speech requests by HTTP status",
                                 ["status"], registry=r)  # fmt: skip
+        self.capped = Counter("qwen3_tts_utterances_capped_total", "Utterances that ran to their "
+                              "frame cap (no end-of-speech)", ["variant"], registry=r)  # fmt: skip
         self.active_variant = Gauge("qwen3_tts_active_variant", "1 for the variant serving by default",
                                     ["variant"], registry=r)  # fmt: skip
         self.worker_memory = Gauge("qwen3_tts_worker_memory_bytes", "Handler worker memory",

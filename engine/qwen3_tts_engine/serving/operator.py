@@ -1,6 +1,6 @@
 """The operator's endpoints of an `EngineServer`: liveness, readiness and load for load
-balancers and routers, the model card, the engine's status, the variant override, and
-Prometheus metrics (docs/fleet.md: what a router reads)."""
+balancers and routers, the model card, the engine's status, the variant override, the step
+delay fault switched while serving, and Prometheus metrics (docs/fleet.md: what a router reads)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ from qwen3_tts_engine.serving.metrics import Metrics
 from qwen3_tts_engine.serving.server_config import ServerConfig
 from qwen3_tts_engine.serving.speech_service import voice_aliases
 
+MAX_FAULT_STEP_DELAY_MS = 60_000  # a step delay past a minute is a typo, not a drill
+
 
 class OperatorRoutes:
     def __init__(self, engine: Engine, config: ServerConfig, metrics: Metrics, governor: Governor | None,
@@ -46,6 +48,7 @@ class OperatorRoutes:
             web.get("/v1/models", self.models),
             web.get("/v1/engine/status", self.status),
             web.post("/v1/engine/variant", self.set_variant),
+            web.post("/v1/engine/fault", self.set_fault),
             web.get("/metrics", self.metrics_endpoint),
         ]
 
@@ -129,6 +132,23 @@ class OperatorRoutes:
                                pinned=self.governor.pinned,
                                swap=record.as_dict() if record else None)
         return web.json_response(change.to_json(), status=status)
+
+    async def set_fault(self, request: web.Request) -> web.Response:
+        """Fault injection while serving (drills, tests; docs/fleet.md): {"step_delay_ms": X}
+        makes every batch step of every handler's worker sleep X ms per stream in it from its
+        next step on, as `--fault-step-delay-ms` does from the start; 0 switches it off."""
+        try:
+            body = await request.json(loads=json.loads)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return error_response(RequestError("request body is not valid JSON"))
+        delay = body.get("step_delay_ms") if isinstance(body, dict) else None
+        if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay <= MAX_FAULT_STEP_DELAY_MS:
+            return error_response(RequestError("body must be {\"step_delay_ms\": 0.."
+                                               f"{MAX_FAULT_STEP_DELAY_MS}}}", param="step_delay_ms"))  # fmt: skip
+        handlers = self.engine.all_handlers()
+        for h in handlers:
+            h.set_step_delay(delay / 1000)
+        return web.json_response({"step_delay_ms": delay, "handlers": [h.name for h in handlers]})
 
     def _count_swap(self, record: SwapRecord) -> None:
         m = self.metrics

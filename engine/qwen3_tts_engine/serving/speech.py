@@ -21,17 +21,17 @@ from qwen3_tts_engine.dispatch.handler import Result
 from qwen3_tts_engine.log import logger
 from qwen3_tts_engine.protocol import (
     CONTENT_TYPES,
+    HEADER_CAPPED,
     HEADER_MODEL,
     HEADER_REQUEST_ID,
     HEADER_SAMPLE_RATE,
     HEADER_VARIANT,
-    SAMPLE_RATE,
     STREAMED_FORMATS,
     RequestError,
     SpeechRequest,
 )
 from qwen3_tts_engine.serving.errors import MAPPED, as_request_error, error_response
-from qwen3_tts_engine.serving.speech_service import SpeechService, decode_json
+from qwen3_tts_engine.serving.speech_service import SpeechService, capped, decode_json
 from qwen3_tts_engine.serving.tracing import extract_context, tracer
 
 _request_ids = itertools.count(1)
@@ -87,7 +87,7 @@ class SpeechRoutes:
         req, ref = self.service.prepare(decode_json(data, "request body"), streamed=False)
         result = Result()
         chunks = self.service.stream(req, ref, result)
-        headers = {HEADER_MODEL: self.service.engine.model, HEADER_SAMPLE_RATE: str(SAMPLE_RATE),
+        headers = {HEADER_MODEL: self.service.engine.model, HEADER_SAMPLE_RATE: str(req.sample_rate),
                    HEADER_REQUEST_ID: rid}  # fmt: skip
         if req.stream and req.response_format in STREAMED_FORMATS:
             return await self._stream(request, req, chunks, result, headers, rid, t0)
@@ -102,7 +102,7 @@ class SpeechRoutes:
         if sse:
             response.headers["Cache-Control"] = "no-cache"
         response.enable_chunked_encoding()
-        encoder = AudioEncoder(req.response_format)
+        encoder = AudioEncoder(req.response_format, req.sample_rate)
 
         async def send(data: bytes) -> None:
             if data:
@@ -140,7 +140,7 @@ class SpeechRoutes:
         finally:
             encoder.close()
         if sse:
-            await response.write(sse_event({"type": "speech.audio.done",
+            await response.write(sse_event({"type": "speech.audio.done", "capped": capped(result),
                                             "usage": speech_usage(req, result)}))  # fmt: skip
         await response.write_eof()
         self.service.observe_done(result, rid, t0, n)
@@ -155,8 +155,10 @@ class SpeechRoutes:
                     self.service.observe_chunk(chunk, result)
         except MAPPED as e:
             raise as_request_error(e) from None
-        body = encode_whole(b"".join(parts), req.response_format)
+        body = encode_whole(b"".join(parts), req.response_format, req.sample_rate)
         headers = {**headers, HEADER_VARIANT: self.service.served_by(result),
                    "Content-Type": CONTENT_TYPES[req.response_format]}  # fmt: skip
+        if capped(result):  # a streamed response's headers went out first: its SSE done event
+            headers[HEADER_CAPPED] = "true"
         self.service.observe_done(result, rid, t0, len(parts))
         return web.Response(body=body, headers=headers)

@@ -2,24 +2,29 @@
 
 `prepare` turns a request body into the request the engine runs (parse and validate the
 fields, the server's voice aliases and defaults, the model's own checks, the reference audio);
-`stream` runs it; `observe_chunk` / `observe_done` are its metrics, log line and trace spans.
+`stream` runs it (audio at the request's `sample_rate`: resampled here, in the server process,
+by one `audio.Resampler` per request); `observe_chunk` / `observe_done` are its metrics, log
+line and trace spans.
 The routes (`speech.py`, `speech_stream.py`) are adapters from HTTP or a socket to this, built
 from the service, not from the whole server.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
 
 from opentelemetry import trace
 
+from qwen3_tts_engine.audio import Resampler
 from qwen3_tts_engine.dispatch.engine import Engine
 from qwen3_tts_engine.dispatch.handler import AudioChunk, Result
 from qwen3_tts_engine.dispatch.text_input import TextInput
 from qwen3_tts_engine.log import logger
-from qwen3_tts_engine.protocol import RequestError, SpeechRequest, parse_speech_request
+from qwen3_tts_engine.protocol import SAMPLE_RATE, RequestError, SpeechRequest, parse_speech_request
 from qwen3_tts_engine.serving.metrics import Metrics
 from qwen3_tts_engine.serving.ref_audio import resolve_ref_audio
 from qwen3_tts_engine.serving.server_config import ServerConfig
@@ -39,6 +44,21 @@ def voice_aliases(engine: Engine, config: ServerConfig) -> dict[str, str]:
     """The configured voice aliases whose voice the loaded model has."""
     voices = set(engine.active.info.get("voices", []))
     return {a.lower(): v for a, v in config.voice_aliases.items() if v.lower() in voices}
+
+
+def capped(result: Result) -> bool:
+    """Whether the utterance (or one of its sentences) ran to its frame cap, `max_new_tokens` or
+    the default (`protocol.default_max_new_tokens`), instead of ending by end-of-speech."""
+    return bool((result.stats or {}).get("hit_token_cap"))
+
+
+async def _resampled(chunks: AsyncIterator[AudioChunk],
+                     resampler: Resampler) -> AsyncIterator[AudioChunk]:  # fmt: skip
+    """`chunks` with their PCM through one resampler (its state carried from chunk to chunk:
+    no clicks at the seams); closing this closes `chunks` (the synthesis is cancelled)."""
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            yield dataclasses.replace(chunk, pcm=resampler.process(chunk.pcm))
 
 
 class SpeechService:
@@ -69,9 +89,13 @@ class SpeechService:
 
     def stream(self, req: SpeechRequest, ref_audio: bytes | None, result: Result,
                text: TextInput | None = None) -> AsyncIterator[AudioChunk]:  # fmt: skip
-        """The audio of `req`, chunk by chunk (errors surface on iteration; the handler, and so
-        the variant, is chosen when the synthesis starts, which may be after a swap)."""
-        return self.engine.stream(req, ref_audio=ref_audio, result=result, text=text)
+        """The audio of `req`, chunk by chunk, at `req.sample_rate` (errors surface on
+        iteration; the handler, and so the variant, is chosen when the synthesis starts, which
+        may be after a swap)."""
+        chunks = self.engine.stream(req, ref_audio=ref_audio, result=result, text=text)
+        if req.sample_rate == SAMPLE_RATE:
+            return chunks
+        return _resampled(chunks, Resampler(SAMPLE_RATE, req.sample_rate))
 
     def served_by(self, result: Result) -> str:
         return str(result.variant or self.engine.active.variant)
@@ -87,6 +111,10 @@ class SpeechService:
         total = time.perf_counter() - t0
         logger.info("%s done: variant %s, %d chunks, first audio %.3fs, total %.3fs", rid,
                     result.variant, n, result.first_audio_s or -1, total)  # fmt: skip
+        if capped(result):
+            self.metrics.capped.labels(str(result.variant)).inc()
+            logger.warning("%s ran to its frame cap (%d frames): no end-of-speech", rid,
+                           int((result.stats or {}).get("frames", 0)))  # fmt: skip
         span = trace.get_current_span()
         if not span.is_recording():
             return

@@ -2,10 +2,11 @@
 
 Subprotocol `qwen3-tts.speech.v1`. The client sends `session.start` (the fields of
 `POST /v1/audio/speech`), then `input_text.append` pieces and `input_text.end` (or
-`response.cancel`); the server answers `session.created`, `input_text.ack`, binary PCM chunks
-(s16le, 24 kHz mono), `response.first_audio` after the first chunk and `response.done`, or an
-`error` event carrying the status and body the same error gets on POST, then closes (1008 for
-a client error, 1011 for the server's). Closing the socket before `input_text.end` cancels the
+`response.cancel`); the server answers `session.created` (with the `sample_rate`: the start's,
+24 kHz by default), `input_text.ack`, binary PCM chunks (s16le mono at that rate),
+`response.first_audio` after the first chunk and `response.done`, or an `error` event carrying
+the status and body the same error gets on POST, then closes (1008 for a client error, 1011 for
+the server's). Closing the socket before `input_text.end` cancels the
 utterance. The synthesis starts with the first text (a session that waits for it holds no
 stream and no slot) and runs as on POST (`Engine.stream`: auth, limits, the queue, a swap's hold and re-routing,
 metrics, a trace span); its text goes to the worker as it comes (`dispatch/text_input.py`).
@@ -29,7 +30,6 @@ from qwen3_tts_engine.log import logger
 from qwen3_tts_engine.protocol import (
     ENGINE_FULL,
     HEADER_REQUEST_ID,
-    SAMPLE_RATE,
     SPEECH_STREAM_PATH,
     SPEECH_STREAM_SUBPROTOCOL,
     RequestError,
@@ -39,7 +39,7 @@ from qwen3_tts_engine.protocol import (
     check_text,
 )
 from qwen3_tts_engine.serving.errors import MAPPED, RETRY_STATUSES, as_request_error, error_response
-from qwen3_tts_engine.serving.speech_service import SpeechService, decode_json
+from qwen3_tts_engine.serving.speech_service import SpeechService, capped, decode_json
 from qwen3_tts_engine.serving.tracing import extract_context, tracer
 
 SUBPROTOCOL = SPEECH_STREAM_SUBPROTOCOL
@@ -274,7 +274,7 @@ class _Session:
         self.text = TextInput(req.input)
         req.input = ""  # the text goes to the worker as it arrives
         self.req, self.ref_audio = req, ref
-        await self._send_json({"type": "session.created", "id": self.rid, "sample_rate": SAMPLE_RATE,
+        await self._send_json({"type": "session.created", "id": self.rid, "sample_rate": req.sample_rate,
                                "variant": str(req.variant or self.service.engine.active.variant)})  # fmt: skip
         if self.text.chars:
             self._begin()
@@ -340,7 +340,8 @@ class _Session:
     def _counts(self) -> dict:
         stats = self.result.stats or {}
         return {"frames": int(stats.get("frames", 0)), "samples": self.samples,
-                "text_tokens": int(stats.get("text_tokens", 0))}  # fmt: skip
+                "text_tokens": int(stats.get("text_tokens", 0)),
+                "capped": capped(self.result)}  # fmt: skip
 
     async def _fail(self, error: RequestError) -> str:
         self.error = error
@@ -367,7 +368,8 @@ class _Session:
         """One frame, whole; a client that stops reading ends the session after the timeout."""
         async with self._send_lock:
             try:
-                await asyncio.wait_for(coro, self.config.ws_send_timeout_s)
+                async with asyncio.timeout(self.config.ws_send_timeout_s):  # (wait_for: see handler.py)
+                    await coro
             except TimeoutError:
                 raise ClientGone("the client stopped reading (send timed out)") from None
             except ConnectionError as e:

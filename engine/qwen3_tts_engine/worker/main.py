@@ -144,6 +144,8 @@ class _Server:
             self.stop_requested = True
         elif isinstance(m, msg.QueryMemory):
             self.conn.send(msg.MemoryReport(process_memory()))
+        elif isinstance(m, msg.StepDelay):  # fault injection, switched while serving
+            self.step_delay_s = self.scheduler.step_delay_s = max(0.0, m.seconds)
         # a Cancel or Taken for a request that already finished is dropped
 
     def _text(self, m: msg.AppendText | msg.EndText) -> None:

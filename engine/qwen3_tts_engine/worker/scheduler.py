@@ -37,6 +37,7 @@ from qwen3_tts_engine.protocol import (
     Limits,
     SpeechRequest,
     default_max_new_tokens,
+    speech_chars,
 )
 from qwen3_tts_engine.rules import ModelInfo, Voice, check_request, text_mode_for
 from qwen3_tts_engine.sentences import split_input
@@ -103,6 +104,7 @@ class Stream:
     history: list[int] = field(default_factory=list)
     mode: str = "prompt"  # the text layout (`protocol.TEXT_MODES`)
     feed: IncrementalText | None = None  # streamed text, tokenized as it comes
+    feed_chars: int = 0  # streamed text: its `speech_chars` so far (its frame cap)
     text: TextTrack | None = None  # the sentence's text side
     next_embed: mx.array | None = None  # the talker's next input [1, 1, H]
     codec_next: mx.array | None = None  # its codec part while the text token is awaited
@@ -205,6 +207,7 @@ class Scheduler:
             stream.feed = IncrementalText(self.model.tokenizer)
             if req.input:
                 stream.feed.append(req.input)
+                stream.feed_chars = speech_chars(req.input)
         self.streams[stream_id] = stream
         return stream
 
@@ -215,6 +218,7 @@ class Scheduler:
             return None
         try:  # its tokenizer and embeddings: a failure here is this stream's, not the batch's
             count = s.text.append(text) if s.text is not None else len(s.feed.append(text))
+            s.feed_chars += speech_chars(text)
             self._text_arrived(s)
         except Exception as e:
             self.fail(stream_id, e)
@@ -239,7 +243,7 @@ class Scheduler:
 
     def _text_arrived(self, s: Stream) -> None:
         if s.text is not None and s.text.ended:  # its length is known now
-            s.max_frames = s.req.max_new_tokens or default_max_new_tokens(s.feed.chars)
+            s.max_frames = self._cap(s)
         if s.waiting_text and s.text is not None:
             term = s.text.term(s.step - 1)
             if term is not WAIT:  # its token came: it rejoins the batch at the next step
@@ -392,13 +396,23 @@ class Scheduler:
         text = s.sentences[s.sentence]
         s.step, s.history = 0, []
         s.text = TextTrack(self.model, s.req, s.mode, text=None if s.feed else text, feed=s.feed)
-        if s.feed is None or s.feed.ended:
-            cap = default_max_new_tokens(s.feed.chars if s.feed else text)
-        else:
-            cap = self.limits_frames  # open text: its length is not known yet
-        s.max_frames = s.req.max_new_tokens or cap
+        s.max_frames = self._cap(s, text)
         s.prefill = None
         return True
+
+    def _cap(self, s: Stream, sentence: str = "") -> int:
+        """The frame cap of the stream's sentence: the request's `max_new_tokens`, else the
+        default from its text at the slowest speaking rate (`protocol.default_max_new_tokens`:
+        of the sentence, or of all the streamed text). Streamed text still open gets the global
+        cap: only `end_text` lets the text's own cap end the utterance (`_text_arrived`
+        recomputes it from all the text then)."""
+        if s.req.max_new_tokens:
+            return s.req.max_new_tokens
+        if s.feed is None:
+            return default_max_new_tokens(sentence, s.req.instructions)
+        if not s.feed.ended:
+            return self.limits_frames  # open text: its length is not known yet
+        return default_max_new_tokens(s.feed_chars, s.req.instructions)
 
     def _prompt(self, s: Stream) -> None:
         """The prompt of the stream's sentence (prefilled at the step it joins)."""

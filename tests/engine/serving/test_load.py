@@ -10,6 +10,11 @@ fault-injection setting makes every batch step sleep 100 ms per stream in it, lo
 and its slots are 1 whatever the CPU does; and every chunk after a stream's first comes later than
 a listener needs it (4 frames take at least 400 ms to make, 320 ms to play), so the underrun count
 follows from the chunk count.
+
+The learning both ways is tested the same way: a budget of 2 s that the tiny checkpoint's own
+steps fit easily (tens of ms a step, a vocoder step some hundreds), and a step delay of 3 s per
+stream switched on and off over the operator API while streams run: a step slowed by it takes at
+least 3 s per stream (a lower bound, whatever the machine's speed), over the budget at any size.
 """
 
 from __future__ import annotations
@@ -51,6 +56,15 @@ async def server(tiny_checkpoint):
 async def slow_server(tiny_checkpoint):
     """Three batch rows, an 80 ms frame budget, and steps slowed by 100 ms per stream."""
     srv = await _start({"max_batch": 3, "max_queue": 1, "frame_budget_s": 0.080, "step_delay_s": 0.100},
+                       tiny_checkpoint)  # fmt: skip
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture(scope="module")
+async def learning_server(tiny_checkpoint):
+    """Two batch rows, a 2 s frame budget, no fault at first; a probe after 2 s of waiting."""
+    srv = await _start({"max_batch": 2, "max_queue": 4, "frame_budget_s": 2.0, "probe_every_s": 2.0},
                        tiny_checkpoint)  # fmt: skip
     yield srv
     await srv.stop()
@@ -201,3 +215,76 @@ async def test_an_engine_slower_than_its_frame_budget_admits_fewer_streams(slow_
         await _until_load(client, "all streams ended", lambda lo: lo.running == 0)
     # no step ever ran two streams: the worker's own record
     assert all(s["peak_batch"] <= 1 for s in handler.history), [s["peak_batch"] for s in handler.history]
+
+
+class Reading:
+    """A streaming request read as it comes (so its stream steps in every batch) until `release`."""
+
+    def __init__(self, client: httpx.AsyncClient, body: dict) -> None:
+        self.client, self.body = client, body
+        self.first = asyncio.Event()
+        self.status: int | None = None
+        self.task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        async with self.client.stream("POST", "/v1/audio/speech", json=self.body) as r:
+            self.status = r.status_code
+            async for _ in r.aiter_raw():
+                self.first.set()
+
+    async def release(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+async def _fault(client: httpx.AsyncClient, step_delay_ms: float) -> None:
+    r = await client.post("/v1/engine/fault", json={"step_delay_ms": step_delay_ms})
+    assert r.status_code == 200, r.text
+    assert r.json()["step_delay_ms"] == step_delay_ms
+
+
+async def test_slots_learn_from_the_engines_own_steps_both_ways(learning_server):
+    """Slots grow from cheap measured steps, fall when the step delay is switched on over the
+    operator API while streams run, and come back once it is off: the probe admits a waiting
+    stream over the one slot, its steps measure two streams again, and two fit."""
+    handler = learning_server.engine.active
+    base = f"http://127.0.0.1:{learning_server.port}"
+    async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(600, connect=10)) as client:
+        r = await client.post("/v1/engine/fault", json={"step_delay_ms": "slow"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "step_delay_ms"
+        assert (await _load(client)).slots == 1  # nothing measured yet
+        await _speak(client, 12)  # one stream: its steps fit the budget many times over
+        await _until_load(client, "one stream's steps show room for two", lambda lo: lo.slots == 2)
+        assert 2 not in handler.steps.measured()  # two streams: predicted from one, not measured
+
+        first = second = third = None
+        try:
+            first = Reading(client, _body(1500))
+            async with asyncio.timeout(HANG_GUARD_S):
+                await first.first.wait()
+            await _fault(client, 3000)  # from the worker's next step: >= 3 s per stream a step
+            second = Reading(client, _body(1500))  # admitted: 2 slots
+            await _until_load(client, "the second stream admitted", lambda lo: lo.running == 2)
+            await _until_load(client, "two slowed streams measured", lambda lo: lo.slots == 1)
+            assert handler.steps.measured()[2] >= 6.0  # every step of two streams slept 2 x 3 s
+
+            # One slot: a third request waits (two run, over the slots)
+            third = Reading(client, _body(1500))
+            waiting = await _until_load(client, "the third request queued", lambda lo: lo.waiting == 1)
+            assert (waiting.running, waiting.slots) == (2, 1), waiting
+            await _fault(client, 0)
+            await second.release()
+            # the first runs alone, at the one slot; the third has waited past the probe interval,
+            # so a step report admits it, and two fast streams' steps bring the slots back to 2
+            await _until_load(client, "the slots came back",
+                              lambda lo: (lo.running, lo.waiting, lo.slots) == (2, 0, 2))  # fmt: skip
+            assert handler.probes >= 1  # the slots could not grow before two streams ran again
+            async with asyncio.timeout(HANG_GUARD_S):
+                await third.first.wait()
+            assert (first.status, third.status) == (200, 200)
+        finally:
+            for reading in (first, second, third):
+                if reading is not None:
+                    await reading.release()
+        await _until_load(client, "all streams ended", lambda lo: lo.running == 0)

@@ -104,6 +104,10 @@ async def test_only_the_operator_key_changes_the_variant(keyed):
 
         r = await c.post("/v1/engine/variant", json=variant, headers=auth(API_KEY))
         assert r.status_code == 403 and "operator key" in r.json()["error"]["message"]
+        r = await c.post("/v1/engine/fault", json={"step_delay_ms": 100}, headers=auth(API_KEY))
+        assert r.status_code == 403 and "operator key" in r.json()["error"]["message"]
+        r = await c.post("/v1/engine/fault", json={"step_delay_ms": 0}, headers=auth(OPERATOR_KEY))
+        assert r.status_code == 200 and r.json()["step_delay_ms"] == 0
         assert (await c.post("/v1/engine/variant", json=variant)).status_code == 401
         assert (await c.post("/v1/engine/variant", json=variant, headers=auth("guess"))).status_code == 401
         # past auth with the operator key: this engine has no governor to swap with

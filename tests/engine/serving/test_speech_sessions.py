@@ -148,6 +148,28 @@ async def test_sessions_closed_or_reset_right_after_their_start_free_everything(
     assert events[-1]["type"] == "response.done" and events[-1]["frames"] > 0
 
 
+async def test_sessions_closed_while_their_streams_wait_to_start_free_everything(server, session):
+    """Streams that have begun but wait for more text before their first frame (text_start_tokens),
+    two admitted and four queued, all closed at once: a queued one is given its slot as the
+    others' cancels free them, in the same moment its own cancel comes (Python 3.11's wait_for
+    swallowed that cancel: the stream started for nobody, waited for text forever, and /load
+    said running 1 for good)."""
+    sockets = []
+    for _ in range(6):
+        ws = await _connect(session)
+        await ws.send_json({**START, "text_start_tokens": 16})
+        assert (await _next(ws))["type"] == "session.created"
+        await ws.send_json({"type": "input_text.append", "text": "Hi"})  # one token of 16
+        sockets.append(ws)
+    await _until_load(server, lambda x: x["running"] + x["waiting"] == 6, "six streams")
+    for ws in sockets:
+        await ws.close()
+    await _until_load(server, lambda x: x["running"] == 0 and x["waiting"] == 0 and x["sessions"] == 0,
+                      "idle after the sockets closed")  # fmt: skip
+    events = await _speak(session)
+    assert events[-1]["type"] == "response.done" and events[-1]["frames"] > 0
+
+
 async def test_a_cancel_while_the_server_is_busy_stops_the_audio_within_a_chunk(server, session):
     busy = asyncio.ensure_future(_post(server, input=LONG_TEXT, text_mode="dual"))  # the other row
     try:

@@ -1,10 +1,12 @@
 """The plugin spreads requests over a fleet of engines (issue 35): the choice itself (pure), then
 real engine servers on loopback addresses with different batch sizes.
 
-Streams are held open by not finishing them: the engines' tiny checkpoint never ends by EOS
-(`eos="never"`), so an utterance of 2000 frames runs far longer than any test waits, and the
-engine's own `GET /load` shows where each one runs. Engines run without a frame budget (conftest),
-so their slots are their `--max-batch` whatever this machine's speed.
+Streams are held open by not finishing them, at any machine speed: the engines' tiny checkpoint
+never ends by EOS (`eos="never"`), an utterance is as long as an engine takes (`LONG`), and its
+client lets through its first audio only (`HoldingTransport`, under the plugin; another client
+reads none). The engine's flow control then pauses it, so it runs until the test closes it, and
+the engine's own `GET /load` shows where each one runs. Engines run without a frame budget
+(conftest), so their slots are their `--max-batch` whatever this machine's speed.
 """
 
 from __future__ import annotations
@@ -23,14 +25,23 @@ from livekit.plugins import qwen3_tts
 from livekit.plugins.qwen3_tts.balance import Candidate, estimated_free, pick
 from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES, EngineCapacity
 from qwen3_tts_engine import Engine, EngineServer, Handler, ServerConfig
+from qwen3_tts_engine.protocol import Limits
 from tests.support.engine_process import EngineProcess, free_port
 from tests.support.tts_audio import pcm, synthesize
 
 pytestmark = pytest.mark.usefixtures("fail_on_leaked_tasks")
 HANG_GUARD_S = 120.0
 PATIENT = APIConnectOptions(max_retry=0, timeout=120.0)  # a loaded 2-core machine is no stall
-LONG = 2000  # frames: an utterance that outlasts every test
+# A held stream's plugin gets no byte after its first audio: only a hang outlasts this timeout.
+HELD = APIConnectOptions(max_retry=0, timeout=3600.0)
+# frames: the longest utterance an engine takes, 15.7 MB of PCM. A client that stops reading holds
+# it: a loopback connection buffers far less unread (about 4 MB: Linux's and macOS's default send
+# buffer limit), so the engine's writer waits, its flow control pauses the stream (~1000 frames
+# in), and it cannot end before the test closes it, however fast the engine is.
+LONG = Limits().max_new_tokens
+HELD_BYTES = 96_000  # what a held stream lets through: many times its first audio event
 TEXT = "Hold this line for a while."
+KILL_MARGIN_MS = 500  # per stream per step, on the engines a test kills mid-sentence
 
 
 # -- the choice, on given loads ------------------------------------------------------------------
@@ -121,11 +132,52 @@ async def _until_loads(servers, what: str, ok) -> dict[str, EngineCapacity]:
     return loads
 
 
+class _HeldBody(httpx.AsyncByteStream):
+    """A speech response's body that ends after `HELD_BYTES` for its reader: the rest waits,
+    unread, until the response is closed."""
+
+    def __init__(self, inner: httpx.AsyncByteStream) -> None:
+        self._inner = inner
+
+    async def __aiter__(self):
+        passed = 0
+        async for chunk in self._inner:
+            yield chunk
+            passed += len(chunk)
+            if passed >= HELD_BYTES:
+                await asyncio.Event().wait()  # until cancelled: the stream is being closed
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class HoldingTransport(httpx.AsyncBaseTransport):
+    """The plugin's HTTP transport in these tests: speech responses are held after their first
+    audio (`_HeldBody`), as a listener that stopped reading would; the rest passes as it is."""
+
+    def __init__(self) -> None:
+        self._inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self._inner.handle_async_request(request)
+        if request.url.path == "/v1/audio/speech" and response.status_code == 200:
+            response.stream = _HeldBody(response.stream)
+        return response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def _holding_client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=HoldingTransport(), timeout=60.0)
+
+
 class Speaking:
-    """A `synthesize()` that has had its first audio and goes on (the plugin keeps reading)."""
+    """A `synthesize()` that has had its first audio and goes on: held (`HoldingTransport`), its
+    engine keeps it running until it is closed."""
 
     def __init__(self, tts: qwen3_tts.TTS, text: str = TEXT) -> None:
-        self.stream = tts.synthesize(text, conn_options=PATIENT)
+        self.stream = tts.synthesize(text, conn_options=HELD)
         self.first = asyncio.Event()
         self.task = asyncio.create_task(self._read())
 
@@ -158,8 +210,9 @@ async def _close_all(held: list[Speaking]) -> None:
 async def test_twelve_streams_fill_three_engines_by_their_slots(fleet):
     """12 at once over engines with 2, 4 and 6 slots: each gets exactly its slots, none queues
     (by the client's record and the engines' own /load), though 12 / 3 would put 4 on each."""
+    client = _holding_client()
     tts = qwen3_tts.TTS(base_url=[_url(s) for s in fleet], voice="ryan", language="en",
-                        max_new_tokens=LONG, timeout=60.0)  # fmt: skip
+                        max_new_tokens=LONG, http_client=client)  # fmt: skip
     held = []
     try:
         held = await _speak_all(tts, 12)
@@ -170,9 +223,11 @@ async def test_twelve_streams_fill_three_engines_by_their_slots(fleet):
         loads = await _loads(fleet)
         assert {u: (lo.running, lo.waiting, lo.free_slots) for u, lo in loads.items()} == {
             _url(s): (n, 0, 0) for s, n in zip(fleet, (2, 4, 6), strict=True)}  # fmt: skip
+        assert not any(h.task.done() for h in held)  # all of them ran through the /load read
     finally:
         await _close_all(held)
         await tts.aclose()
+        await client.aclose()
     await _until_loads(
         fleet, "all streams ended", lambda ls: all(lo.running == 0 for lo in ls.values())
     )
@@ -197,8 +252,9 @@ async def test_a_name_with_three_addresses_is_three_engines_and_a_fourth_joins(
 
     model = str(tiny_checkpoint("custom_voice", eos="never"))
     fourth = await _engine(model, "127.0.0.4", port, 2)
+    client = _holding_client()
     tts = qwen3_tts.TTS(base_url=f"http://tts-fleet.test:{port}", voice="ryan", language="en",
-                        max_new_tokens=LONG, timeout=60.0, resolver=resolver,
+                        max_new_tokens=LONG, http_client=client, resolver=resolver,
                         resolve_interval=0.05)  # fmt: skip
     held = []
     try:
@@ -231,6 +287,7 @@ async def test_a_name_with_three_addresses_is_three_engines_and_a_fourth_joins(
     finally:
         await _close_all(held)
         await tts.aclose()
+        await client.aclose()
         await fourth.stop()
     await _until_loads(
         fleet, "all streams ended", lambda ls: all(lo.running == 0 for lo in ls.values())
@@ -317,7 +374,11 @@ async def test_balanced_engine_killed_mid_sentence_fails_over_sample_exact(tiny_
     SIGKILLed at its first audio; the sentence goes on at the other, and the whole stream equals
     what the survivor says for the same seeds."""
     ckpt = tiny_checkpoint("custom_voice")
-    engines = {e.url: e for e in (EngineProcess(ckpt).start(), EngineProcess(ckpt).start())}
+    # each step sleeps KILL_MARGIN_MS per stream (a fault that only slows, the codes stay): the
+    # sentence's last 4 frames take at least 4 x that after its first audio, so the kill lands
+    # mid-sentence at any machine speed (only a 2 s stall of this test's own loop could miss it)
+    slow = ("--fault-step-delay-ms", str(KILL_MARGIN_MS))
+    engines = {e.url: e for e in (EngineProcess(ckpt, None, *slow).start(), EngineProcess(ckpt, None, *slow).start())}
     frames = 8
     sentences = ["The first sentence is here.", "Then comes the second one."]
     # the sentence path (the streamed-text path's kill: test_text_stream.py)

@@ -29,7 +29,13 @@ SENTENCES = ["The first sentence is here.", "Then comes the second one."]
 # Ignoring conn_options would leave a stalled request to this client default: far past any wait
 # below, so a test that needs conn_options.timeout fails instead of passing slowly.
 PATIENT_CLIENT = httpx.Timeout(300.0)
-WAIT = 30.0  # generous bound on anything a test waits for; stalls are cut after 0.5-1 s
+WAIT = 30.0  # generous bound on anything a test waits for: a failure, never a timing claim
+# conn_options.timeout where a test needs it to fire: against a stall that never ends (FaultEngine
+# holds a stalled handler until stop), so it fires at any machine speed. Where a healthy endpoint
+# answers under the same options, this is how long a loaded loop may keep its loopback bytes.
+STALL_TIMEOUT = 2.0
+# conn_options where the timeout is not what a test looks at: only a hang reaches it
+PATIENT = APIConnectOptions(max_retry=0, timeout=60.0)
 # real engines on a loaded 2-core machine: a sentence's first audio may take longer than LiveKit's
 # default 10 s (a stall is not what these tests look for)
 REAL_ENGINE = APIConnectOptions(timeout=120.0)
@@ -177,7 +183,9 @@ async def test_fault_fails_over_exactly_and_endpoint_comes_back(pair, fault, str
     x, y = pair
     x.fault, x.ready = fault, False
     tts = _tts([x.url, y.url], strategy=strategy)  # no seed: the plugin draws one per sentence
-    conn = APIConnectOptions(max_retry=0, timeout=1.0)
+    # a stall is found by the timeout (x never answers); the other faults need none
+    stall = fault in ("stall_head", "stall_body")
+    conn = APIConnectOptions(max_retry=0, timeout=STALL_TIMEOUT) if stall else PATIENT
     try:
         stream, audio = await asyncio.wait_for(
             stream_text(tts, SENTENCES, conn_options=conn), WAIT
@@ -204,13 +212,13 @@ async def test_fault_fails_over_exactly_and_endpoint_comes_back(pair, fault, str
         assert not ep_x.healthy and ep_x.last_error
         # Down: not tried again (its probe keeps failing, /ready answers 503).
         n = len(x.seen)
-        await synthesize(tts, "Spoken while x is down.", conn_options=conn)
+        await synthesize(tts, "Spoken while x is down.", conn_options=PATIENT)
         assert len(x.seen) == n and y.inputs()[-1] == "Spoken while x is down."
         # Back: once /ready answers 200 the background probe restores it, and it serves again.
         x.fault, x.ready = None, True
-        async with tts.stream(conn_options=conn):  # the pool probes while a stream is open
+        async with tts.stream(conn_options=PATIENT):  # the pool probes while a stream is open
             await _until(lambda: ep_x.healthy, "x probed back")
-        got = await synthesize(tts, "Back on x now.", conn_options=conn)
+        got = await synthesize(tts, "Back on x now.", conn_options=PATIENT)
         assert x.inputs()[-1] == "Back on x now." and len(x.seen) == n + 1
         np.testing.assert_array_equal(got, _pcm("Back on x now.", x.seen[-1]["seed"]))
     finally:
@@ -220,11 +228,13 @@ async def test_fault_fails_over_exactly_and_endpoint_comes_back(pair, fault, str
 async def test_sentence_queued_behind_a_long_one_is_not_a_stall(pair):
     """The engine answers one request at a time: a prefetched sentence gets no byte until the one
     ahead is done, which takes longer than conn_options.timeout though audio never pauses that
-    long. Waiting its turn is not a stall: no failover, no error."""
+    long. Waiting its turn is not a stall: no failover, no error. (The wait is at least the
+    7 paced sleeps, 3.5 s, past the 2 s timeout at any speed; each gap is one 0.5 s sleep, which
+    only a loop held up for 1.5 s more would stretch past the timeout.)"""
     x, _ = pair
-    x.pace = 0.3  # 7 chunks: ~2 s a sentence, gaps well under the 1 s timeout
+    x.pace = 0.5  # 7 chunks: >= 3.5 s a sentence, gaps well under the timeout
     tts = _tts([x.url])
-    conn = APIConnectOptions(max_retry=0, timeout=1.0)
+    conn = APIConnectOptions(max_retry=0, timeout=STALL_TIMEOUT)
     try:
         stream, audio = await asyncio.wait_for(
             stream_text(tts, SENTENCES, conn_options=conn), WAIT
@@ -246,23 +256,23 @@ async def test_sentence_queued_behind_a_long_one_is_not_a_stall(pair):
 )  # fmt: skip
 async def test_last_endpoint_fault_raises_the_livekit_error(pair, fault, error, streamed):
     """With nowhere left to fail over, the fault surfaces as the exception LiveKit retries or
-    falls back on, from synthesize() and stream() alike; a stall ends within
-    conn_options.timeout + 1 s (of the call; mid-audio: of the last byte), not the client's 300 s."""
+    falls back on, from synthesize() and stream() alike. A stall (one that never ends) is cut by
+    conn_options.timeout, not the client's 300 s: the call raises APITimeoutError inside the
+    WAIT hang guard (else the guard's TimeoutError fails pytest.raises), and, on the loop's clock
+    that LiveKit's timers run on, no sooner than the timeout after the call began."""
     x, _ = pair
     x.fault = fault
     tts = _tts([x.url])
-    conn = APIConnectOptions(max_retry=0, timeout=0.5)
+    # only x, and it fails: the timeout fires for a stall, the other faults need none
+    conn = APIConnectOptions(max_retry=0, timeout=0.5) if error is APITimeoutError else PATIENT
     loop = asyncio.get_running_loop()
-    last_audio = [loop.time()]
-
-    async def heard(samples):
-        last_audio.append(loop.time())
-
     try:
+        start = loop.time()
         with pytest.raises(error) as e:
             if streamed:
-                await asyncio.wait_for(stream_text(tts, ["Nobody can say this."],
-                                                   conn_options=conn, on_audio=heard), WAIT)  # fmt: skip
+                await asyncio.wait_for(
+                    stream_text(tts, ["Nobody can say this."], conn_options=conn), WAIT
+                )
             else:
                 await asyncio.wait_for(
                     synthesize(tts, "Nobody can say this.", conn_options=conn), WAIT
@@ -270,7 +280,7 @@ async def test_last_endpoint_fault_raises_the_livekit_error(pair, fault, error, 
         if error is APIStatusError:
             assert e.value.status_code == int(fault) and e.value.retryable
         if error is APITimeoutError:
-            assert loop.time() - last_audio[-1] <= conn.timeout + 1.0
+            assert loop.time() - start >= conn.timeout
     finally:
         await tts.aclose()
 
@@ -311,7 +321,7 @@ async def test_a_retry_fails_over_again_once_its_audio_has_played(pair):
         x.fault, y.fault = "cut", None
 
     tts.on("error", on_error)
-    conn = APIConnectOptions(max_retry=1, timeout=1.0, retry_interval=0.0)
+    conn = APIConnectOptions(max_retry=1, timeout=60.0, retry_interval=0.0)  # no stall here
     try:
         stream = tts.synthesize(SENTENCES[0], conn_options=conn)
         audio = np.concatenate([d async for ev in stream if (d := pcm(ev)) is not None])
@@ -333,7 +343,9 @@ async def test_fallback_adapter_moves_to_backup_within_conn_timeout(pair, fault)
     adapter = FallbackAdapter([primary, backup], max_retry_per_tts=0)
     changes = []
     adapter.on("tts_availability_changed", changes.append)
-    conn = APIConnectOptions(max_retry=0, timeout=0.5, retry_interval=0.0)
+    # the stall is cut by the timeout (x never answers); a 503 needs none
+    timeout = STALL_TIMEOUT if fault == "stall_head" else PATIENT.timeout
+    conn = APIConnectOptions(max_retry=0, timeout=timeout, retry_interval=0.0)
     loop = asyncio.get_running_loop()
     heard: list[float] = []
 
@@ -394,18 +406,19 @@ async def test_aclose_leaves_no_probe_task(pair):
 async def test_aclose_ends_open_streams_and_later_calls_raise(pair):
     """Closing the TTS while a stream plays one sentence and prefetches the next: the stream ends,
     both requests are closed (no task of the plugin is left: the leak fixture), the HTTP client
-    is closed, and a later synthesize()/stream() says the TTS is closed."""
+    is closed, and a later synthesize()/stream() says the TTS is closed. (x sends each request
+    part of its audio and then nothing until it stops: neither can end before the close.)"""
     x, _ = pair
-    x.pace = 0.1  # one request at a time, ~0.7 s each: the second waits, prefetched
+    x.fault = "stall_body"
     tts = _tts([x.url], prefetch=1)
     first_audio = asyncio.Event()
 
     async def on_audio(samples):
         first_audio.set()
 
-    playing = asyncio.create_task(stream_text(tts, SENTENCES, on_audio=on_audio))
+    playing = asyncio.create_task(stream_text(tts, SENTENCES, on_audio=on_audio, conn_options=PATIENT))
     await asyncio.wait_for(first_audio.wait(), WAIT)
-    assert x.inputs() == SENTENCES  # the second sentence's request is open
+    await _until(lambda: x.inputs() == SENTENCES, "the second sentence's request, prefetched")
     await tts.aclose()
     _, audio = await asyncio.wait_for(playing, WAIT)  # the stream ended, cut short
     assert 0 < len(audio) < len(_pcm(SENTENCES[0], 0)) * 2
@@ -423,7 +436,10 @@ async def test_real_engine_killed_mid_sentence_without_seed(tiny_checkpoint):
     every attempt. Engine a is SIGKILLed mid-sentence; the whole stream equals what the uncut
     engine b says for those seeds."""
     ckpt = tiny_checkpoint("custom_voice")
-    a, b = EngineProcess(ckpt).start(), EngineProcess(ckpt).start()
+    # a's steps sleep 500 ms per stream (a fault that only slows; the codes stay): the sentence's
+    # last 4 frames take 2 s after its first audio, so the kill lands mid-sentence at any speed
+    a = EngineProcess(ckpt, None, "--fault-step-delay-ms", "500").start()
+    b = EngineProcess(ckpt).start()
     frames = 8
     tts = _tts([a.url, b.url], max_new_tokens=frames, strategy="priority")  # a first (balanced:
     # test_balancing.py kills whichever engine speaks)

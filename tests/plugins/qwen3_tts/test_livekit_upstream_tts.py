@@ -18,6 +18,9 @@ Kept, with every assertion that needs neither intelligible speech nor an API key
 - test_tts_stream: one request id, segment ids, one segment per flushed text, only each
   segment's last frame final, frames 0-250 ms, PCM, rate and channels, one metrics event.
 - test_tts_stream_empty: a stream with no text ends cleanly.
+- test_tts_stream again (ours: test_tts_stream_capped_before_its_text_is_in), over the socket with
+  a longer text of several sentences (as upstream's) and max_new_tokens=4, the rest pushed once
+  the cap has ended the first utterance: the same checks and one metrics event.
 - test_tts_synthesize_error_propagation, first half: an answer without audio raises APIError
   "no audio frames" (upstream's FakeTTS(fake_audio_duration=0); here an empty 200 on the wire).
 - test_tts_synthesize_retry_after_partial_audio: upstream's FakeTTS raised mid-audio once; here
@@ -165,13 +168,20 @@ async def _llm_tokens(text: str, tokens_per_second: float = 30.0):
         await asyncio.sleep(1.0 / tokens_per_second)
 
 
-async def _do_stream(tts_v: tts.TTS, segments: list[str], *, conn_options: APIConnectOptions):
+async def _do_stream(tts_v: tts.TTS, segments: list[str], *, conn_options: APIConnectOptions,
+                     gate=None):  # fmt: skip
+    """Upstream's _do_stream; `gate()` (ours) is awaited once, after the first sentence's end is
+    pushed. Returns the stream."""
     async with tts_v.stream(conn_options=conn_options) as tts_stream:
 
         async def _push_text() -> None:
+            gated = gate is None
             for text in segments:
                 async for token in _llm_tokens(text):
                     tts_stream.push_text(token)
+                    if not gated and token.rstrip().endswith((".", "?", "!")):
+                        gated = True
+                        await gate()
                 tts_stream.flush()
             tts_stream.end_input()
 
@@ -186,7 +196,7 @@ async def _do_stream(tts_v: tts.TTS, segments: list[str], *, conn_options: APICo
 
         assert push_text_task.done(), "expected push_text_task to be done"
         if not segments:
-            return
+            return tts_stream
 
         request_id = audio_events[0].request_id
         assert request_id, "expected to have a request_id"
@@ -212,6 +222,7 @@ async def _do_stream(tts_v: tts.TTS, segments: list[str], *, conn_options: APICo
             )
             assert_pcm_audio(frames=[e.frame for e in segment_events],
                              sample_rate=tts_v.sample_rate, num_channels=tts_v.num_channels)  # fmt: skip
+    return tts_stream
 
 
 # -- upstream tests/test_tts.py ----------------------------------------------------------------
@@ -285,7 +296,7 @@ async def test_tts_synthesize_error_propagation(proxy):
     try:
         with pytest.raises(APIError, match="no audio frames"):
             await _do_synthesis(tts_v, "fake_text",
-                                conn_options=APIConnectOptions(max_retry=0, timeout=0.5))  # fmt: skip
+                                conn_options=APIConnectOptions(max_retry=0, timeout=30))  # fmt: skip
     finally:
         await tts_v.aclose()
 
@@ -334,6 +345,41 @@ async def test_tts_stream(proxy):
         )
     finally:
         await tts_v.aclose()
+
+
+async def test_tts_stream_capped_before_its_text_is_in(engine):
+    """Upstream's test_tts_stream over the socket with max_new_tokens=4 (FRAMES), where the cap
+    ends the first utterance while its text is still coming: the rest of the reply is pushed
+    only once the engine has ended that utterance (an event on the engine, whatever its speed).
+    The cap is per sentence on both paths, so the sentences after it are utterances of their
+    own: the upstream checks hold and there is exactly one metrics event (before: none, 6 audio
+    frames, and the rest of the text dropped)."""
+    first = "Well, how are you doing on this fine and sunny morning today?"
+    rest = ["I am doing very well, thank you for asking me about it.", "It is a lovely day."]
+    handler = engine.engine.active
+    before = handler.last_stats
+
+    async def engine_ended_an_utterance() -> None:  # by its cap, text open: the first sentence
+        while handler.last_stats is before or not handler.last_stats.get("hit_token_cap"):
+            await asyncio.sleep(0.02)
+
+    tts_v = _tts(_engine_url(engine), text_input="stream")
+    metrics_collected_events = EventCollector(tts_v, "metrics_collected")
+    try:
+        stream = await asyncio.wait_for(_do_stream(tts_v, [" ".join([first, *rest])],
+                                                   conn_options=PATIENT, gate=engine_ended_an_utterance),
+                                        timeout=120)  # fmt: skip
+        assert metrics_collected_events.count == 1, (
+            f"expected 1 metrics collected event, got {metrics_collected_events.count}"
+        )
+    finally:
+        await tts_v.aclose()
+    # Every sentence reached the engine, as an utterance of its own (the first capped before
+    # its text was in; a later one may be too, the LLM's pace being 30 words a second).
+    assert stream.text_streams[0].ended_early
+    assert len(stream.text_streams) == 1 + len(rest)
+    for sentence, report in zip([first, *rest], stream.text_streams, strict=True):
+        assert report.text.strip() and sentence.startswith(report.text.strip())
 
 
 async def test_tts_stream_empty(proxy):

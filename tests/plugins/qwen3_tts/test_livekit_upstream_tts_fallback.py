@@ -4,7 +4,8 @@ wire instead, by `tests/support/tcp_proxy.py` between the plugin and a `FaultEng
 server of test_tts_failover.py: 0.27 s of audio that is a function of text and seed).
 
 Mapping: `fake_exception=APIConnectionError` -> the proxy cuts the connection (`cut`, for every
-attempt or for the first `times`); `fake_timeout` with a short `conn_options.timeout` -> `stall`;
+attempt or for the first `times`); `fake_timeout` with a short `conn_options.timeout` -> `stall`
+(a connection that is never answered, so the timeout fires at any machine speed);
 `fake_audio_duration=0` -> an empty 200; `synthesize_ch`/`stream_ch` (a call reached the TTS) ->
 the endpoint's request count; the 5.0 s of fake audio -> the FaultEngine's audio, compared sample
 by sample where no resampling is involved.
@@ -14,14 +15,17 @@ Kept: every test of the module and every assertion, except:
   labels differ by model name only.
 - test_tts_stream_ttfb_includes_failover_time: upstream's fake1 received the text 0.5 s late (a
   fake connection delay) with `timeout=10`; here the primary stalls and `conn_options.timeout` is
-  0.5 s, and the started time is the primary's request, at the start. The claim is unchanged: the
-  anchor stays on the first instance's attempt, not the backup's (0.5 s later).
+  2 s (the backup answers under it too). The claim is unchanged: the anchor stays on the first
+  instance's attempt, not the backup's; upstream's `approx(start, abs=0.1)` is an order on
+  perf_counter here: the anchor is at or after the start and before the primary's first error
+  event, which comes before the backup is asked (its anchor could only come later).
 - test_audio_resampled: qwen3_tts is 24 kHz only, so the adapter is made at 48 kHz
   (`sample_rate=48000`) to resample both; durations are compared within 20 ms (the resampler's
   edges) instead of upstream's exact 5.01 s.
 - test_recovery_is_not_suppressed_across_paths: `_GateTTS` parks the recovery probe on an event;
-  here the probe parks on a stalled connection with a 10 s timeout (the default), far longer than
-  the test. Upstream's final `gate.set()` has nothing to release.
+  here the probe parks on a stalled connection with a 600 s timeout, longer than any wait of the
+  test. Upstream's final `gate.set()` has nothing to release.
+Upstream's waits of 1 s for a recovery or a call are WAIT here: a bound only a hang reaches.
 Upstream's `pytest.mark.virtual_time` (a fake clock) is not used: nothing here waits long.
 """
 
@@ -47,6 +51,10 @@ from tests.support.tts_audio import pcm
 
 pytestmark = pytest.mark.usefixtures("fail_on_leaked_tasks")
 FAKE_SECONDS = len(fake_pcm("x", 0)) // 2 / 24000  # the FaultEngine's utterance: 0.269 s
+WAIT = 30.0  # a bound on any wait for an event (a recovery, a call): a failure, never a timing claim
+# conn_options.timeout of the stall tests: the primary never answers, so it fires at any speed;
+# the backup, on this same loop, answers under it too
+STALL = APIConnectOptions(timeout=2.0, max_retry=0, retry_interval=0.1)
 
 
 class FallbackAdapterTester(FallbackAdapter):
@@ -108,6 +116,13 @@ async def _until(predicate, timeout: float, what: str) -> None:
         await asyncio.sleep(0.01)
 
 
+def _error_times(tts: TTS) -> list[float]:
+    """perf_counter (LiveKit's clock for the started time) at each of `tts`'s error events."""
+    times: list[float] = []
+    tts.on("error", lambda _: times.append(time.perf_counter()))
+    return times
+
+
 def _audio(frames: list[rtc.AudioFrame]) -> np.ndarray:
     return np.concatenate([np.frombuffer(bytes(f.data), np.int16) for f in frames])
 
@@ -129,7 +144,7 @@ async def test_reports_active_instance_model_and_provider(wire) -> None:
 
     # a successful recovery probe must not relabel: the caller never heard its audio
     assert (
-        await asyncio.wait_for(fallback_adapter.availability_changed_ch(fake1).recv(), 1.0)
+        await asyncio.wait_for(fallback_adapter.availability_changed_ch(fake1).recv(), WAIT)
     ).available, "fake1 should have recovered"
     assert fallback_adapter.metrics_metadata == {"model_name": "fallback-model",
                                                  "model_provider": "qwen3-tts"}  # fmt: skip
@@ -233,10 +248,9 @@ async def test_tts_stream_fallback(wire) -> None:
 async def test_tts_stream_ttfb_includes_failover_time(wire) -> None:
     w1, w2 = await wire(), await wire()
     w1.proxy.set("stall")
+    primary_errors = _error_times(w1.tts)
     fallback_adapter = FallbackAdapterTester([w1.tts, w2.tts])
-    async with fallback_adapter.stream(
-        conn_options=APIConnectOptions(timeout=0.5, max_retry=0, retry_interval=0.1)
-    ) as stream:
+    async with fallback_adapter.stream(conn_options=STALL) as stream:
         start = time.perf_counter()
         stream.push_text("hello test")
         stream.end_input()
@@ -249,19 +263,20 @@ async def test_tts_stream_ttfb_includes_failover_time(wire) -> None:
     assert len(started_times) == 1, "all frames should carry the same started time"
     started_time = started_times.pop()
     assert started_time is not None
-    # the primary got the sentence at once and stalled twice (0.5 s each); the anchor stays there
-    assert started_time == pytest.approx(start, abs=0.1)
+    # the primary got the sentence first and stalled twice; the anchor stays there: not before
+    # the start, and before the primary's first attempt failed (so before the backup was asked)
+    assert primary_errors and w2.calls(), (primary_errors, w2.calls())
+    assert start <= started_time < primary_errors[0], (start, started_time, primary_errors)
     await fallback_adapter.aclose()
 
 
 async def test_tts_chunked_ttfb_includes_failover_time(wire) -> None:
     w1, w2 = await wire(), await wire()
     w1.proxy.set("stall")  # always times out
+    primary_errors = _error_times(w1.tts)
     fallback_adapter = FallbackAdapterTester([w1.tts, w2.tts])
     start = time.perf_counter()
-    async with fallback_adapter.synthesize(
-        "hello test", conn_options=APIConnectOptions(timeout=0.5, max_retry=0, retry_interval=0.1)
-    ) as stream:
+    async with fallback_adapter.synthesize("hello test", conn_options=STALL) as stream:
         frames: list[SynthesizedAudio] = []
         async for data in stream:
             frames.append(data)
@@ -271,7 +286,8 @@ async def test_tts_chunked_ttfb_includes_failover_time(wire) -> None:
     assert len(started_times) == 1, "all frames should carry the same started time"
     started_time = started_times.pop()
     assert started_time is not None
-    assert started_time == pytest.approx(start, abs=0.1)
+    assert primary_errors and w2.calls(), (primary_errors, w2.calls())
+    assert start <= started_time < primary_errors[0], (start, started_time, primary_errors)
     await fallback_adapter.aclose()
 
 
@@ -292,7 +308,7 @@ async def test_tts_recover(wire) -> None:
     assert not fallback_adapter.availability_changed_ch(fake1).recv_nowait().available
     assert not fallback_adapter.availability_changed_ch(fake2).recv_nowait().available
     assert (
-        await asyncio.wait_for(fallback_adapter.availability_changed_ch(fake2).recv(), 1.0)
+        await asyncio.wait_for(fallback_adapter.availability_changed_ch(fake2).recv(), WAIT)
     ).available, "fake2 should have recovered"
 
     async with fallback_adapter.synthesize("hello test") as stream:
@@ -325,7 +341,7 @@ async def test_audio_resampled(wire) -> None:
         assert combined_frame.sample_rate == 48000
 
     calls1 = w1.calls()
-    await _until(lambda: w1.calls() > calls1, 1.0, "fake1's recovery probe")
+    await _until(lambda: w1.calls() > calls1, WAIT, "fake1's recovery probe")
 
     async with fallback_adapter.stream() as stream:
         stream.push_text("hello test")
@@ -357,7 +373,7 @@ async def test_timeout(wire) -> None:
     assert not fallback_adapter.availability_changed_ch(w1.tts).recv_nowait().available
     assert not fallback_adapter.availability_changed_ch(w2.tts).recv_nowait().available
     # upstream's second recv() within 1 s: a second call (the retry or a recovery probe)
-    await _until(lambda: w1.calls() >= 2 and w2.calls() >= 2, 1.0, "second calls")
+    await _until(lambda: w1.calls() >= 2 and w2.calls() >= 2, WAIT, "second calls")
 
     # stream
     calls = (w1.calls(), w2.calls())
@@ -370,7 +386,7 @@ async def test_timeout(wire) -> None:
             async for _ in stream:
                 pass
     assert w1.calls() > calls[0] and w2.calls() > calls[1]
-    await _until(lambda: w1.calls() >= calls[0] + 2 and w2.calls() >= calls[1] + 2, 1.0,
+    await _until(lambda: w1.calls() >= calls[0] + 2 and w2.calls() >= calls[1] + 2, WAIT,
                  "second calls")  # fmt: skip
     await fallback_adapter.aclose()
 
@@ -378,24 +394,25 @@ async def test_timeout(wire) -> None:
 async def test_recovery_is_not_suppressed_across_paths(wire) -> None:
     """A recovery probe in flight on one path must not stop the other path from probing."""
     w1, w2 = await wire(), await wire()
-    w1.proxy.set("stall")  # recovery probes park here (conn_options' default 10 s timeout)
+    w1.proxy.set("stall")  # recovery probes park here, for longer than any wait below
     w1.proxy.set("cut", times=1)  # ... after the first request fails
     fake1 = w1.tts
     fallback_adapter = FallbackAdapterTester([fake1, w2.tts], max_retry_per_tts=0)
+    parked = APIConnectOptions(max_retry=0, timeout=600.0)  # a probe's conn_options are its stream's
 
-    async with fallback_adapter.stream() as stream:
+    async with fallback_adapter.stream(conn_options=parked) as stream:
         stream.push_text("hello test")
         stream.end_input()
         async for _ in stream:
             pass
     assert not fallback_adapter.availability_changed_ch(fake1).recv_nowait().available
     # the failing attempt, then the recovery probe, now parked
-    await _until(lambda: w1.calls() >= 2, 1.0, "the streamed recovery probe")
+    await _until(lambda: w1.calls() >= 2, WAIT, "the streamed recovery probe")
 
-    async with fallback_adapter.synthesize("hello test") as chunked:
+    async with fallback_adapter.synthesize("hello test", conn_options=parked) as chunked:
         async for _ in chunked:
             pass
-    await _until(lambda: w1.calls() >= 3, 1.0,
+    await _until(lambda: w1.calls() >= 3, WAIT,
                  "chunked path did not probe fake1 while the streamed probe was in flight")  # fmt: skip
 
     status = fallback_adapter._status[0]
@@ -426,7 +443,7 @@ async def test_tts_recover_on_streamed_path(wire) -> None:
     w1.proxy.set("pass")
     await _drive()  # fake1 is skipped, and must still be probed
     assert (
-        await asyncio.wait_for(fallback_adapter.availability_changed_ch(fake1).recv(), 5.0)
+        await asyncio.wait_for(fallback_adapter.availability_changed_ch(fake1).recv(), WAIT)
     ).available, "fake1 should have recovered on the streamed path"
     await fallback_adapter.aclose()
 
@@ -449,7 +466,14 @@ async def test_no_recovery_probe_after_close(wire) -> None:
     stream = fallback_adapter.stream()
     stream.push_text("hello test")  # deliberately no end_input()
     drain = asyncio.create_task(_drain_stream(stream))
-    await asyncio.sleep(0.5)
+
+    def probing() -> bool:
+        return any(t is not None and not t.done() for s in fallback_adapter._status
+                   for t in (s.recovering_synthesize_task, s.recovering_stream_task))  # fmt: skip
+
+    # upstream sleeps 0.5 s for the probe to start; here: until one is in flight (it parks on
+    # the stall for the default 10 s timeout, and the adapter closes at once)
+    await _until(probing, WAIT, "a recovery probe of fake1")
 
     await fallback_adapter.aclose()
     await utils.aio.cancel_and_wait(drain)

@@ -14,7 +14,13 @@ from livekit.agents import APIConnectOptions, tokenize
 from livekit.agents.tts import StreamAdapter
 from livekit.plugins import qwen3_tts
 
-from tests.plugins.qwen3_tts.test_failover import PATIENT_CLIENT, WAIT, FaultEngine, fake_pcm
+from tests.plugins.qwen3_tts.test_failover import (
+    PATIENT_CLIENT,
+    STALL_TIMEOUT,
+    WAIT,
+    FaultEngine,
+    fake_pcm,
+)
 from tests.support.tts_audio import stream_text
 
 pytestmark = pytest.mark.usefixtures("fail_on_leaked_tasks")
@@ -34,7 +40,8 @@ async def test_a_stream_adapter_stream_leaves_no_pool_task_after_a_stall():
                           timeout=PATIENT_CLIENT)  # fmt: skip
     adapter = StreamAdapter(tts=inner, sentence_tokenizer=tokenize.basic.SentenceTokenizer())
     try:
-        conn = APIConnectOptions(max_retry=0, timeout=0.5)
+        # x never answers: the timeout fails it over to y at any speed
+        conn = APIConnectOptions(max_retry=0, timeout=STALL_TIMEOUT)
         _, audio = await asyncio.wait_for(stream_text(adapter, ["Said by y."], conn_options=conn), WAIT)
         assert len(audio) == len(fake_pcm("Said by y.", y.seen[0]["seed"])) // 2
         assert not inner.endpoints.endpoints[0].healthy  # x was marked down: it would be probed

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from livekit.agents import tokenize
 from livekit.plugins import qwen3_tts
 
-from livekit.plugins.qwen3_tts.segment_text import SegmentText
+from livekit.plugins.qwen3_tts.segment_text import SegmentText, first_sentence_end, split_sentences
 
 HANG_GUARD = 30.0
 
@@ -47,6 +48,53 @@ async def test_readers_replay_from_any_piece_and_do_not_disturb_each_other():
     assert "".join(sum(got_first, [])) == "a b c"
     assert "".join(sum(got_late, [])) == "b c"
     assert await _collect(text) == [["a ", "b ", "c"]]  # after the end: all of it at once
+
+
+SENTENCES = tokenize.basic.SentenceTokenizer().tokenize  # the plugin's default tokenizer
+
+
+def test_a_sentence_ends_once_the_next_has_begun():
+    assert first_sentence_end("How are you doing today?", SENTENCES) is None
+    assert first_sentence_end("How are you doing today? ", SENTENCES) is None
+    text = "How are you doing today?  I"
+    assert text[: first_sentence_end(text, SENTENCES)] == "How are you doing today?"
+    # the tokenizer's rules: short sentences join the next; "Mr." ends none
+    text = "Hi. Mr. Smith is doing well today. Yes"
+    assert text[: first_sentence_end(text, SENTENCES)] == "Hi. Mr. Smith is doing well today."
+    # whitespace the tokenizer changes (a newline) does not move the end
+    text = "The first line\nruns on to here. And"
+    assert text[: first_sentence_end(text, SENTENCES)] == "The first line\nruns on to here."
+
+
+async def test_streamed_text_is_split_into_one_text_per_sentence_as_it_comes():
+    """Each sentence's text is handed on at its first piece and fed as the rest comes (a socket
+    streams it at once); a piece that holds a boundary is cut there; all text is kept, in order."""
+    text = SegmentText()
+    out: list[SegmentText] = []
+    splitter = asyncio.create_task(split_sentences(text, SENTENCES, out.append))
+
+    async def split_into(*texts: str) -> None:
+        async with asyncio.timeout(HANG_GUARD):
+            while [t.text for t in out] != list(texts):
+                await asyncio.sleep(0)
+
+    try:
+        text.append("How are you ")
+        await split_into("How are you ")  # at once, before its sentence is complete
+        assert not out[0].ended
+        text.append("doing today? I am")
+        await split_into("How are you doing today?", " I am")
+        assert out[0].ended and not out[1].ended
+        text.append(" fine, thanks for asking. Bye now. And")  # two boundaries in one piece
+        text.append(" you?")
+        text.end()
+        await asyncio.wait_for(splitter, HANG_GUARD)
+    finally:
+        splitter.cancel()
+        await asyncio.gather(splitter, return_exceptions=True)
+    assert [t.text for t in out] == ["How are you doing today?", " I am fine, thanks for asking.",
+                                     " Bye now. And you?"]  # fmt: skip
+    assert all(t.ended for t in out)
 
 
 async def test_a_cancelled_reader_leaves_the_text_usable():

@@ -5,8 +5,10 @@ real WebSockets (127.0.0.1).
 subprotocol qwen3-tts.speech.v1, status `streaming_text: true`) with audio that is a pure function
 of (the words so far, seed), so a replay on another endpoint says the same as the first did, as
 the real engine does (its equivalence tests); it fails on demand: a socket closed before the
-first audio, an error event (503 or 400), a connection cut mid-audio, or a peer that stops
-reading (no pong) while the text is still open. The real engine's socket: test_text_stream.py.
+first audio, an error event (503 or 400), a connection cut mid-audio, a peer that stops
+reading (no pong) while the text is still open, a full engine (429 at the upgrade, or an
+`engine_full` error event), or an utterance ended while its text is open (as a frame cap ends
+one). The real engine's socket: test_text_stream.py.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 from aiohttp import web
-from livekit.agents import APIConnectOptions, APIStatusError
+from livekit.agents import APIConnectOptions, APIError, APIStatusError
 from livekit.plugins import qwen3_tts
 
 from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES, SPEECH_STREAM_SUBPROTOCOL
@@ -46,9 +48,12 @@ class FaultSocketEngine:
     """A loopback streaming-text server; `fault` applies to every socket until set back to None."""
 
     def __init__(self) -> None:
-        self.fault: str | None = None  # close | error503 | error400 | cut | stall
+        # close | error503 | error400 | cut | stall | full | full_upgrade | done_early
+        self.fault: str | None = None
         self.cut_after = 2 * len(word_pcm(0, "x", 0)) + 1001  # audio bytes before a cut: odd
         self.sessions: list[dict] = []  # per socket: start message, text, ended, closed
+        self.refused = 0  # upgrades answered 429
+        self.ended_early = asyncio.Event()  # set when a `done_early` utterance has ended
         self.port = free_port()
         self._release = asyncio.Event()  # frees stalled handlers at stop
         app = web.Application()
@@ -76,7 +81,11 @@ class FaultSocketEngine:
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response({"handlers": [], "streaming_text": True})
 
-    async def _stream(self, request: web.Request) -> web.WebSocketResponse:
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        if self.fault == "full_upgrade":  # too many sessions: refused before the upgrade
+            self.refused += 1
+            return web.json_response({"error": {"message": "too many sessions", "code": "engine_full"}},
+                                     status=429, headers={"Retry-After": "9"})  # fmt: skip
         ws = web.WebSocketResponse(protocols=(SPEECH_STREAM_SUBPROTOCOL,))
         await ws.prepare(request)
         session = {"start": None, "text": "", "ended": False, "open": True}
@@ -105,6 +114,12 @@ class FaultSocketEngine:
                     return ws
                 await ws.send_json({"type": "session.created", "id": f"s{len(self.sessions)}",
                                     "sample_rate": 24000, "variant": "fake"})  # fmt: skip
+                if self.fault == "full":  # as the engine's queue refuses it: after the start
+                    await ws.send_json({"type": "error", "status": 429, "retry_after_s": 5, "error": {
+                        "message": "injected full", "type": "invalid_request_error",
+                        "code": "engine_full"}})  # fmt: skip
+                    await ws.close(code=1008)
+                    return ws
                 continue
             if kind == "input_text.append":
                 session["text"] += event["text"]
@@ -123,6 +138,12 @@ class FaultSocketEngine:
                 sent += len(data)
                 if self.fault == "stall":  # stops reading: pings go unanswered
                     await self._release.wait()
+                    return ws
+                if self.fault == "done_early" and not session["ended"]:  # a cap, text open
+                    await ws.send_json({"type": "response.done", "frames": 0,
+                                        "samples": sent // 2, "text_tokens": i + 1})  # fmt: skip
+                    await ws.close()
+                    self.ended_early.set()
                     return ws
             spoken = len(words)
             if session["ended"]:
@@ -208,7 +229,10 @@ async def test_a_peer_that_stops_answering_while_text_is_open_is_failed_over(soc
     a, b = sockets
     a.fault = "stall"
     tts = _tts(a.url, b.url, seed=3)
-    conn = APIConnectOptions(max_retry=0, timeout=1.0)  # the heartbeat's bound on a silent peer
+    # The heartbeat (timeout * 2/3) pings a peer silent that long and waits timeout / 3 for its
+    # pong: A never answers (it stopped reading until the engine stops), so it is failed over at
+    # any speed; B, on this same loop, has 2 s for each pong and each answer it owes.
+    conn = APIConnectOptions(max_retry=0, timeout=6.0)
     try:
         stream, audio = await _speak(tts, conn=conn)
     finally:
@@ -273,3 +297,116 @@ async def test_a_blank_segment_opens_no_socket(sockets):
         await stream.aclose()
         await tts.aclose()
     assert a.sessions == [] and all(pcm(ev) is None for ev in events)
+
+
+@pytest.mark.parametrize(("fault", "retry_after"), [("full", 5.0), ("full_upgrade", 9.0)])
+async def test_a_full_engine_passes_the_segment_to_the_next_at_once(sockets, fault, retry_after):
+    """A 429 on the socket, as an `engine_full` error event or at the upgrade, is what it is on
+    HTTP: the engine is passed over for its Retry-After (not marked down) and the segment goes
+    to the next engine within LiveKit's one attempt (max_retry=0: no LiveKit retry)."""
+    a, b = sockets
+    a.fault = fault
+    tts = _tts(a.url, b.url, seed=5)
+    marked: list[float] = []
+    mark_full = tts.endpoints.mark_full
+    tts.endpoints.mark_full = lambda ep, after: (marked.append(after), mark_full(ep, after))
+    try:
+        stream, audio = await _speak(tts, conn=APIConnectOptions(max_retry=0, timeout=30))
+    finally:
+        await tts.aclose()
+    report = stream.text_streams[0]
+    assert stream.attempts == 1
+    assert report.endpoints == [a.url, b.url] and report.full == [a.url]
+    assert marked == [retry_after]
+    ep_a = tts.endpoints.endpoints[0]
+    assert ep_a.healthy and ep_a.failures == 0 and ep_a.rejections == 1
+    np.testing.assert_array_equal(audio, reference(WORDS, 5))
+
+
+async def test_every_engine_full_raises_429_once_each_was_tried(sockets):
+    a, b = sockets
+    a.fault, b.fault = "full", "full_upgrade"
+    tts = _tts(a.url, b.url, seed=5)
+    try:
+        with pytest.raises(APIStatusError) as e:
+            await _speak(tts, conn=APIConnectOptions(max_retry=0, timeout=30))
+    finally:
+        await tts.aclose()
+    assert e.value.status_code == 429 and e.value.retryable
+    assert len(a.sessions) == 1 and b.refused == 1  # each engine once
+
+
+FIRST, SECOND = "The first sentence is right here.", "And then the second one follows it."
+
+
+async def test_max_new_tokens_caps_each_sentence_so_each_is_an_utterance(sockets):
+    """`max_new_tokens` caps each sentence on the sentence path; the engine caps a socket's
+    utterance as a whole, so under a cap each sentence of a streamed segment is an utterance of
+    its own (streamed as it comes, with the cap); without one the segment is one utterance."""
+    a, _ = sockets
+    tts = _tts(a.url, seed=4, max_new_tokens=30)
+    try:
+        stream, audio = await _speak(tts, f"{FIRST} {SECOND}".split())
+    finally:
+        await tts.aclose()
+    assert [s["text"].strip() for s in a.sessions] == [FIRST, SECOND]
+    assert [s["start"]["max_new_tokens"] for s in a.sessions] == [30, 30]
+    assert [r.ended_early for r in stream.text_streams] == [False, False]
+    np.testing.assert_array_equal(audio, np.concatenate([reference(FIRST.split(), 4),
+                                                         reference(SECOND.split(), 4)]))  # fmt: skip
+
+    tts = _tts(a.url, seed=4)
+    try:
+        stream, _ = await _speak(tts, f"{FIRST} {SECOND}".split())
+    finally:
+        await tts.aclose()
+    assert a.sessions[-1]["text"].strip() == f"{FIRST} {SECOND}" and len(stream.text_streams) == 1
+    assert "max_new_tokens" not in a.sessions[-1]["start"]
+
+
+@pytest.mark.parametrize("capped", [True, False], ids=["max_new_tokens", "no_cap"])
+async def test_an_utterance_ended_before_its_text_is_in_drops_no_words_silently(sockets, capped):
+    """The engine ends an utterance while its text is still coming (a frame cap does). Under
+    `max_new_tokens` that is the sentence's cap, as on the sentence path: the next sentence goes
+    on as an utterance of its own, and the stream emits its one `metrics_collected` (LiveKit's
+    contract). Without a cap the words the engine did not get raise an APIError."""
+    a, _ = sockets
+    a.fault = "done_early"
+    tts = _tts(a.url, seed=6, **({"max_new_tokens": 40} if capped else {}))
+    metrics: list = []
+    tts.on("metrics_collected", metrics.append)
+    stream = tts.stream(conn_options=APIConnectOptions(max_retry=0, timeout=30))
+    audio: list[np.ndarray] = []
+
+    async def feed() -> None:
+        stream.push_text("The first sentence ")
+        await a.ended_early.wait()  # its first word spoken, the rest of the text still open
+        a.fault = None
+        stream.push_text(f"is right here. {SECOND}")
+        stream.end_input()
+
+    feeder = asyncio.create_task(feed())
+    try:
+        async with asyncio.timeout(HANG_GUARD):
+            if not capped:
+                with pytest.raises(APIError, match="before its text was all in"):
+                    async for _ in stream:
+                        pass
+                assert len(a.sessions) == 1
+                return
+            async for ev in stream:
+                if (data := pcm(ev)) is not None:
+                    audio.append(data)
+            await feeder
+    finally:
+        feeder.cancel()
+        await asyncio.gather(feeder, return_exceptions=True)
+        await stream.aclose()
+        await tts.aclose()
+    assert [s["text"].split()[0] for s in a.sessions] == ["The", "And"]
+    assert a.sessions[1]["text"].strip() == SECOND and a.sessions[1]["ended"]
+    assert [r.ended_early for r in stream.text_streams] == [True, False]
+    first_word = np.frombuffer(word_pcm(0, "The", 6), np.int16)
+    np.testing.assert_array_equal(np.concatenate(audio),
+                                  np.concatenate([first_word, reference(SECOND.split(), 6)]))  # fmt: skip
+    assert len(metrics) == 1, f"expected 1 metrics collected event, got {len(metrics)}"

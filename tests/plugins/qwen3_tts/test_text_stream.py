@@ -2,7 +2,8 @@
 utterances end by EOS): `SynthesizeStream` sends the LLM's text as it comes over
 `/v1/audio/speech/stream`, token-sized pieces, and the audio equals the engine's dual-track
 synthesis of the whole text; an engine SIGKILLed mid-utterance, text still open, is failed over
-to a second engine with the text replayed and the same seed, and the reply is the uncut one.
+to a second engine with the text replayed and the same seed, and the reply is the uncut one; an
+engine that is full (`engine_full` on the socket) passes the segment to the next one at once.
 Order is shown by events (audio received, a process killed), never by time.
 """
 
@@ -17,6 +18,7 @@ from livekit.agents import APIConnectOptions
 from livekit.plugins import qwen3_tts
 
 from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES
+from qwen3_tts_engine import Engine, EngineServer, Handler, ServerConfig
 from tests.support.engine_process import EngineProcess
 from tests.support.tts_audio import pcm
 
@@ -151,3 +153,41 @@ async def test_engine_killed_mid_utterance_fails_over_with_the_text_replayed(tin
         assert not np.array_equal(other[: len(audio)], audio[: len(other)])
     finally:
         a.stop(), b.stop()
+
+
+async def test_a_full_engine_passes_the_streamed_segment_to_the_next_at_once(engine, tiny_checkpoint):
+    """Engine a is full for real (a queue of 0: it answers every request 429 `engine_full`; on
+    the socket an `error` event with `retry_after_s`, after `session.created`). The segment goes
+    to engine b within LiveKit's one attempt (max_retry=0: no LiveKit retry, as on the sentence
+    path), a is passed over for its Retry-After and not marked down, and the reply is b's alone
+    with the same seed."""
+    model = str(tiny_checkpoint("custom_voice", eos="text"))
+    a = EngineServer(Engine(model, [Handler(model, max_queue=0, warmup=False)]),
+                     ServerConfig(port=0, retry_after_s=7))  # fmt: skip
+    await a.start()
+    url_a, url_b = f"http://127.0.0.1:{a.port}", f"http://127.0.0.1:{engine.port}"
+    try:
+        tts = _tts([url_a, url_b], first_chunk_frames=2)
+        marked: list[float] = []
+        mark_full = tts.endpoints.mark_full
+        tts.endpoints.mark_full = lambda ep, after: (marked.append(after), mark_full(ep, after))
+        try:
+            stream, audio = await asyncio.wait_for(_speak(tts, _tokens(TEXT)), HANG_GUARD)
+        finally:
+            await tts.aclose()
+    finally:
+        await a.stop()
+    assert stream.attempts == 1 and stream._conn_options is CONN
+    report = stream.text_streams[0]
+    assert report.endpoints == [url_a, url_b] and report.full == [url_a] and report.text == TEXT
+    assert marked == [7.0]  # the engine's retry_after_s
+    ep_a = tts.endpoints.endpoints[0]
+    assert ep_a.healthy and ep_a.failures == 0 and ep_a.rejections == 1
+    alone = _tts([url_b], first_chunk_frames=2)
+    try:
+        _, reference = await asyncio.wait_for(_speak(alone, _tokens(TEXT)), HANG_GUARD)
+    finally:
+        await alone.aclose()
+    _same_audio(audio, reference)
+    other = await _post_dual(url_b, TEXT, 8, 2)
+    assert not np.array_equal(other[: len(audio)], audio[: len(other)])

@@ -17,7 +17,7 @@ from qwen3_tts_engine.governor.memory import MemoryReading
 from qwen3_tts_engine.governor.policy import Policy
 from qwen3_tts_engine.serving.errors import as_request_error
 
-SHARED = ("SAMPLE_RATE", "FRAME_RATE", "FRAME_SAMPLES", "CHUNK_FRAMES", "BYTES_PER_SAMPLE",
+SHARED = ("SAMPLE_RATE", "SAMPLE_RATES", "FRAME_RATE", "FRAME_SAMPLES", "CHUNK_FRAMES", "BYTES_PER_SAMPLE",
           "HEADER_VARIANT", "HEADER_MODEL", "HEADER_SAMPLE_RATE", "HEADER_REQUEST_ID", "LANGUAGES")  # fmt: skip
 
 

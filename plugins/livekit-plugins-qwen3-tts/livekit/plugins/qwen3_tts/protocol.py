@@ -20,7 +20,9 @@ from typing import Any
 
 ENGINE_FULL = "engine_full"  # the error code of a 429: batch and queue are full, try another engine
 
-SAMPLE_RATE = 24000
+SAMPLE_RATE = 24000  # the model's own rate
+# what a request's `sample_rate` may ask for (the engine resamples; `TTS(sample_rate=...)`)
+SAMPLE_RATES = (8000, 16000, 24000, 48000)
 FRAME_RATE = 12.5
 FRAME_SAMPLES = 1920  # one 80 ms codec frame at 24 kHz
 CHUNK_FRAMES = 4  # a 4-token chunk: 320 ms, 7680 samples

@@ -1,5 +1,6 @@
 """LiveKit TTS for Qwen3-TTS engines (ours on MLX, or vLLM-Omni on GPUs) over streaming HTTP,
 or over our engine's streaming-text WebSocket (`text_input`; the socket: `text_socket.py`).
+Every utterance, either way, goes from engine to engine by one loop (`failover.py`).
 
 In sentence mode, text from the LLM is cut into sentences; each is synthesized as soon as it is complete, while the
 previous one still plays, so the prefill of sentence N+1 hides behind the audio of sentence N.
@@ -12,30 +13,28 @@ import asyncio
 import contextlib
 import os
 import random
-import time
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import aiohttp
 import httpx
 from livekit.agents import (
     APIConnectOptions,
-    APIStatusError,
+    APIError,
     tokenize,
     tts,
     utils,
 )
-from livekit.agents.telemetry import tracer
 from livekit.agents.types import DEFAULT_API_CONNECT_OPTIONS, NOT_GIVEN, NotGivenOr
 from livekit.agents.utils import is_given
-from opentelemetry import propagate
-from opentelemetry.trace import SpanKind
 
+from . import failover
 from .clauses import FirstClauseTokenizer
 from .discovery import Resolver
-from .endpoints import Endpoint, EndpointPool, check_strategy
-from .failures import ENDPOINT_FAILURES, EndpointUnavailable, Stalled, final_error
+from .endpoints import EndpointPool, check_strategy
+from .http_sentence import HttpSentenceAttempt, SentenceReport
 from .log import logger
 from .models import (
     FirstChunkFrames,
@@ -49,17 +48,16 @@ from .models import (
     Variants,
 )
 from .protocol import (
-    HEADER_VARIANT,
     MSG_SESSION_START,
     SAMPLE_RATE,
-    error_message,
+    SAMPLE_RATES,
     has_speakable_text,
     normalize_language,
-    retry_after_s,
 )
-from .replay import play_unheard
-from .segment_text import SegmentText
-from .text_socket import NoTextStreaming, TextSocket, TextStreamReport
+from .segment_text import SegmentText, split_sentences
+from .text_socket import NoTextStreaming, SocketAttempt, TextStreamReport
+
+_Piece = TypeVar("_Piece", str, SegmentText)  # what a segment is spoken in: sentences, utterances
 
 DEFAULT_URL = "http://127.0.0.1:8880"
 # The owned HTTP client's default, which bounds the `/ready` probes: a healthy engine answers at
@@ -91,6 +89,7 @@ class _TTSOptions:
     # the first chunk of a segment's first request (None: first_chunk_frames); 2: bench first-chunk
     first_clause_chunk_frames: int | None = 2
     text_input: TextInput = "auto"
+    sample_rate: int = SAMPLE_RATE  # of the audio asked for (the engine resamples)
 
     def __post_init__(self) -> None:  # also checks what update_options() changes
         if self.first_chunk_frames not in (1, 2, 4):
@@ -113,6 +112,12 @@ class _TTSOptions:
             raise ValueError(
                 "text_input='stream' needs protocol='qwen3-tts' (vLLM-Omni takes sentences)"
             )
+        if self.sample_rate not in SAMPLE_RATES:
+            raise ValueError(f"sample_rate must be one of {', '.join(map(str, SAMPLE_RATES))}, "
+                             f"not {self.sample_rate!r}")  # fmt: skip
+        if self.sample_rate != SAMPLE_RATE and self.protocol != "qwen3-tts":
+            raise ValueError(f"sample_rate={self.sample_rate} needs protocol='qwen3-tts' "
+                             f"(vLLM-Omni sends {SAMPLE_RATE} Hz)")  # fmt: skip
         if self.first_clause_chunk_frames not in (None, 1, 2, 4):
             raise ValueError("first_clause_chunk_frames must be 1, 2, 4 or None (None: "
                              f"first_chunk_frames), not {self.first_clause_chunk_frames!r}")  # fmt: skip
@@ -131,13 +136,13 @@ class _TTSOptions:
             return False
         return True if self.text_input == "stream" else None
 
-    def stream_start(self, seed: int) -> dict:
-        """The `session.start` message of a streamed segment: the fields of a request, with the
-        small first chunk of a reply's first request when one is set (never larger than
-        `first_chunk_frames`)."""
-        frames = min(
-            self.first_clause_chunk_frames or self.first_chunk_frames, self.first_chunk_frames
-        )
+    def stream_start(self, seed: int, index: int = 0) -> dict:
+        """The `session.start` message of a segment's `index`-th streamed utterance: the fields
+        of a request; the first asks for the small first chunk of a reply's first request when
+        one is set (never larger than `first_chunk_frames`)."""
+        frames = self.first_chunk_frames
+        if index == 0:
+            frames = min(self.first_clause_chunk_frames or frames, frames)
         body = replace(self, first_chunk_frames=frames).request_body("", seed)
         del body["input"], body["stream"]
         return {"type": MSG_SESSION_START, **body}
@@ -156,27 +161,9 @@ class _TTSOptions:
                 variant=self.variant, temperature=self.temperature, top_k=self.top_k,
                 top_p=self.top_p, repetition_penalty=self.repetition_penalty, seed=seed,
                 first_chunk_frames=self.first_chunk_frames,
+                sample_rate=self.sample_rate if self.sample_rate != SAMPLE_RATE else None,
             )  # fmt: skip
         return {k: v for k, v in body.items() if v is not None}
-
-
-@dataclass
-class SentenceReport:
-    """What happened to one sentence: for logs, metrics and tests."""
-
-    text: str
-    delivered_bytes: int = 0
-    endpoints: list[str] = field(default_factory=list)
-    variant: str | None = None
-    first_audio_s: float | None = None
-    skipped_bytes: int = 0  # audio re-synthesized after a failover but not played again
-    full: list[str] = field(default_factory=list)  # endpoints that answered 429 (engine full)
-    seed: int | None = None  # sent with every attempt, so that a failover repeats the same audio
-    first_chunk_frames: int | None = None  # the first chunk asked of the engine
-
-    @property
-    def samples(self) -> int:
-        return self.delivered_bytes // 2
 
 
 class TTS(tts.TTS):
@@ -204,6 +191,7 @@ class TTS(tts.TTS):
         first_clause_chunk_frames: int | None = 2,
         protocol: Protocol = "qwen3-tts",
         text_input: TextInput = "auto",
+        sample_rate: int = SAMPLE_RATE,
         prefetch: int = 1,
         strategy: Strategy = "balanced",
         timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
@@ -231,6 +219,8 @@ class TTS(tts.TTS):
         as one HTTP request per sentence (below); `"auto"` streams where the engine's status says
         `streaming_text` (read once per endpoint) and sends sentences elsewhere (vLLM-Omni and
         older engines). `synthesize()` always makes one HTTP request.
+        `max_new_tokens` caps each sentence's frames on either path (under it a streamed segment
+        is one socket utterance per sentence: the engine caps an utterance as a whole).
         `prefetch` is how many sentences may be requested ahead of the one playing.
         The first request of each segment carries only its first clause, once that has
         `first_clause_min_words` words (0 or None: whole sentences only), and asks for a
@@ -243,10 +233,13 @@ class TTS(tts.TTS):
         `len(base_url) + max_retry` tries are made before an error is raised.
         `timeout` is the default of the HTTP client made here, which bounds what `conn_options`
         does not: the `/ready` probes of endpoints (requests override it with `conn_options`).
+        `sample_rate` (8000, 16000, 24000 or 48000; fixed for the TTS's life) is the rate the
+        engine is asked to send (it resamples from its 24 kHz) and this TTS's `sample_rate`:
+        16000 or 8000 for a phone call saves LiveKit resampling every frame (qwen3-tts only).
         """
         super().__init__(
             capabilities=tts.TTSCapabilities(streaming=True),
-            sample_rate=SAMPLE_RATE,
+            sample_rate=sample_rate,
             num_channels=1,
         )
         urls = base_url or os.environ.get("QWEN3_TTS_URL", DEFAULT_URL)
@@ -259,6 +252,7 @@ class TTS(tts.TTS):
             max_new_tokens=max_new_tokens, first_chunk_frames=first_chunk_frames,
             protocol=protocol, prefetch=prefetch, first_clause_min_words=first_clause_min_words,
             first_clause_chunk_frames=first_clause_chunk_frames, text_input=text_input,
+            sample_rate=sample_rate,
         )  # fmt: skip
         api_key = api_key or os.environ.get("QWEN3_TTS_API_KEY")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -371,152 +365,31 @@ class TTS(tts.TTS):
             self._ws_session = aiohttp.ClientSession()
             return self._ws_session
 
-    def _text_socket(self, opts: _TTSOptions, conn: APIConnectOptions, deliver, on_sent,
-                     fail_over: Callable[[], bool]) -> TextSocket:  # fmt: skip
-        """The socket side of one streamed segment, with a seed of its own (for failover)."""
+    # -- one utterance on one transport (`failover.speak` tries it from engine to engine) -----
+
+    def _sentence_attempt(
+        self, opts: _TTSOptions, report: SentenceReport, deliver: Callable[[bytes], None],
+        on_sent: Callable[[], None], conn: APIConnectOptions, ahead: asyncio.Future | None = None,
+    ) -> HttpSentenceAttempt:  # fmt: skip
+        """One sentence over HTTP, with a seed of its own (sent on every try: a failover repeats
+        the same audio, and the bytes already played are skipped)."""
         seed = opts.seed if opts.seed is not None else random.randrange(2**31)
-        return TextSocket(pool=self._pool, session=self._ws_http(), headers=self._headers,
-                          start=opts.stream_start(seed), conn=conn, deliver=deliver,
-                          on_sent=on_sent, fail_over=fail_over,
-                          ask_engine=opts.streams_text() is None)  # fmt: skip
+        report.seed, report.first_chunk_frames = seed, opts.first_chunk_frames
+        return HttpSentenceAttempt(pool=self._pool, client=self._client, headers=self._headers,
+                                   body=opts.request_body(report.text, seed), report=report,
+                                   deliver=deliver, on_sent=on_sent, conn=conn, ahead=ahead)  # fmt: skip
 
-    # -- one sentence, with failover ---------------------------------------------------------
-
-    async def _speak(
-        self, opts: _TTSOptions, report: SentenceReport, deliver, on_sent,
-        conn: APIConnectOptions, ahead: asyncio.Future | None = None,
-        fail_over: Callable[[], bool] = lambda: True,
-    ) -> None:  # fmt: skip
-        """Stream one sentence's PCM into `deliver`, failing over between endpoints.
-
-        After a failover the sentence is requested again from the next endpoint, with the same
-        seed, and the bytes already delivered are skipped: nothing is played twice, nothing lost.
-        Each endpoint is tried at most once, and only while `fail_over()` allows another try
-        (a retry of LiveKit's makes one try until audio has played: see the streams' `_run`).
-        `conn.timeout` bounds each attempt's connect and every wait for bytes; for a sentence
-        requested ahead, the wait for its first byte counts from when `ahead` (the sentence
-        queued before it) is done, since an engine synthesizes its requests one after another.
-        """
+    def _socket_attempt(
+        self, opts: _TTSOptions, index: int, text: SegmentText, report: TextStreamReport,
+        deliver: Callable[[bytes], None], on_sent: Callable[[], None], conn: APIConnectOptions,
+    ) -> SocketAttempt:  # fmt: skip
+        """A segment's `index`-th streamed utterance, with a seed of its own (for failover); the
+        first may still fall back to sentences where its engine takes no streamed text."""
         seed = opts.seed if opts.seed is not None else random.randrange(2**31)
-        report.seed = seed
-        report.first_chunk_frames = opts.first_chunk_frames
-        body = opts.request_body(report.text, seed)
-        tried: set[str] = set()
-        t0 = time.perf_counter()
-        while True:
-            ep = await self._pool.acquire(exclude=tried)
-            tried.add(ep.url)
-            report.endpoints.append(ep.url)
-            try:
-                await self._speak_once(ep, body, report, deliver, on_sent, t0, conn, ahead)
-                return
-            except _EngineFull as e:  # full, not broken: another engine takes it at once
-                self._pool.mark_full(ep, e.retry_after)
-                report.full.append(ep.url)
-                if not self._pool.untried(tried):
-                    raise APIStatusError(f"Qwen3-TTS engines are full ({len(tried)} tried; the last, "
-                                         f"{ep.url}, asks to retry after {e.retry_after:g} s)",
-                                         status_code=429, body=e.body, retryable=True) from e  # fmt: skip
-                logger.info("TTS endpoint %s is full (429): trying another", ep.url)
-            except ENDPOINT_FAILURES as e:
-                self._pool.mark_down(ep, f"{type(e).__name__}: {e}")
-                if not self._pool.untried(tried) or not fail_over():
-                    raise final_error(e, ep.url, len(tried), len(self._pool)) from e
-                logger.warning("TTS failover from %s after %d samples of %r: %s", ep.url,
-                               report.samples, report.text[:40], e)  # fmt: skip
-            finally:
-                self._pool.release(ep)
-
-    async def _speak_once(
-        self, ep: Endpoint, body, report: SentenceReport, deliver, on_sent, t0,
-        conn: APIConnectOptions, ahead: asyncio.Future | None,
-    ) -> None:  # fmt: skip
-        # A span in LiveKit's trace of the turn; the engine continues it (W3C traceparent).
-        attrs = {"qwen3_tts.endpoint": ep.url, "qwen3_tts.text_chars": len(report.text)}
-        with tracer.start_as_current_span("qwen3_tts.request", kind=SpanKind.CLIENT,
-                                          attributes=attrs) as span:  # fmt: skip
-            headers = dict(self._headers)
-            propagate.inject(headers)
-            try:
-                await self._request(ep, body, report, deliver, on_sent, t0, conn, ahead, headers)
-            finally:
-                span.set_attributes({"qwen3_tts.variant": report.variant or "",
-                                     "qwen3_tts.first_audio_s": report.first_audio_s or -1.0,
-                                     "qwen3_tts.delivered_bytes": report.delivered_bytes})  # fmt: skip
-
-    async def _request(
-        self, ep: Endpoint, body, report: SentenceReport, deliver, on_sent, t0,
-        conn: APIConnectOptions, ahead: asyncio.Future | None, headers: dict[str, str],
-    ) -> None:  # fmt: skip
-        on_sent()  # the text goes to the model now: LiveKit's TTFB starts here
-        # Reads are timed here (not by httpx) so that a queued sentence's wait can be excused.
-        timeout = httpx.Timeout(conn.timeout, read=None)
-        request = self._client.build_request("POST", f"{ep.url}/v1/audio/speech", json=body,
-                                             headers=headers, timeout=timeout)  # fmt: skip
-        r = await self._open(request, conn.timeout, ahead)
-        try:
-            if r.status_code != 200:  # an error body is short; one that stalls is cut
-                try:
-                    async with asyncio.timeout(conn.timeout):
-                        await r.aread()
-                except TimeoutError:
-                    raise Stalled(f"HTTP {r.status_code} with a body that stalled") from None
-            if r.status_code == 429:  # full: its batch and queue; another engine may have room
-                raise _EngineFull(retry_after_s(r.headers.get("Retry-After")), r.text)
-            if r.status_code >= 500:  # this engine is broken or busy; another may not be
-                raise EndpointUnavailable(r.status_code, r.text)
-            if r.status_code != 200:
-                raise APIStatusError(_error_message(r), status_code=r.status_code,
-                                     request_id=r.headers.get("x-request-id"), body=r.text)  # fmt: skip
-            self._pool.mark_up(ep)
-            report.variant = r.headers.get(HEADER_VARIANT)
-            received = 0
-            async with contextlib.aclosing(r.aiter_raw()) as chunks:
-                while True:
-                    try:
-                        async with asyncio.timeout(conn.timeout):
-                            data = await anext(chunks, None)
-                    except TimeoutError:
-                        stall = f"no audio for {conn.timeout:g} s after {received} bytes"
-                        raise Stalled(stall) from None
-                    if data is None:
-                        break
-                    play_unheard(report, data, received, t0, deliver)
-                    received += len(data)
-        finally:
-            await r.aclose()
-
-    async def _open(
-        self, request: httpx.Request, timeout: float, ahead: asyncio.Future | None
-    ) -> httpx.Response:
-        """Send `request`; wait for the response head `timeout` s, counted once `ahead` is done."""
-        send = asyncio.ensure_future(self._client.send(request, stream=True))
-        try:
-            if ahead is not None:
-                await asyncio.wait({send, ahead}, return_when=asyncio.FIRST_COMPLETED)
-            return await asyncio.wait_for(send, timeout)
-        except TimeoutError:
-            raise Stalled(f"no response for {timeout:g} s") from None
-        except BaseException:
-            send.cancel()
-            await asyncio.wait({send})
-            if not send.cancelled() and send.exception() is None:
-                await send.result().aclose()
-            raise
-
-
-class _EngineFull(Exception):
-    def __init__(self, retry_after: float, body: str) -> None:
-        super().__init__(f"HTTP 429 (retry after {retry_after:g} s): {body[:200]}")
-        self.retry_after, self.body = retry_after, body
-
-
-def _error_message(r: httpx.Response) -> str:
-    try:
-        message = error_message(r.json())
-    except ValueError:
-        message = None
-    return message or r.text[:300] or f"HTTP {r.status_code}"
+        return SocketAttempt(pool=self._pool, session=self._ws_http(), headers=self._headers,
+                             start=opts.stream_start(seed, index), text=text, report=report,
+                             conn=conn, deliver=deliver, on_sent=on_sent,
+                             ask_engine=opts.streams_text() is None, may_fall_back=index == 0)  # fmt: skip
 
 
 class ChunkedStream(tts.ChunkedStream):
@@ -530,7 +403,7 @@ class ChunkedStream(tts.ChunkedStream):
         self.attempts = 0  # LiveKit's base class calls _run once per attempt (1 + retries)
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
-        output_emitter.initialize(request_id=utils.shortuuid(), sample_rate=SAMPLE_RATE,
+        output_emitter.initialize(request_id=utils.shortuuid(), sample_rate=self._opts.sample_rate,
                                   num_channels=1, mime_type="audio/pcm")  # fmt: skip
         self.attempts += 1
         first = self.attempts == 1
@@ -538,9 +411,10 @@ class ChunkedStream(tts.ChunkedStream):
         # A retry (LiveKit's, after every endpoint failed) is one more try, not another round
         # of failovers; once audio has played, a cut is continued on the next endpoint.
         async with self._tts._pool.in_use():
-            await self._tts._speak(self._opts, report, output_emitter.push, lambda: None,
-                                   self._conn_options,
-                                   fail_over=lambda: first or report.delivered_bytes > 0)  # fmt: skip
+            attempt = self._tts._sentence_attempt(self._opts, report, output_emitter.push,
+                                                  lambda: None, self._conn_options)  # fmt: skip
+            await failover.speak(self._tts._pool, attempt,
+                                 may_fail_over=lambda: first or report.delivered_bytes > 0)  # fmt: skip
 
     async def aclose(self) -> None:
         self._tts._streams.discard(self)
@@ -548,15 +422,17 @@ class ChunkedStream(tts.ChunkedStream):
 
 
 class SynthesizeStream(tts.SynthesizeStream):
-    """The LLM's text as it comes: each segment (up to a `flush()`) goes to the engine over one
-    streaming-text socket, or as sentence requests (`text_input`, and what the engine takes)."""
+    """The LLM's text as it comes: each segment (up to a `flush()`) goes to the engine over the
+    streaming-text socket, or as sentence requests (`text_input`, and what the engine takes).
+    A streamed segment is one utterance, or one per sentence under `max_new_tokens` (a cap of
+    each sentence on either path: the engine caps a socket's utterance as a whole)."""
 
     def __init__(self, *, tts: TTS, conn_options: APIConnectOptions) -> None:
         super().__init__(tts=tts, conn_options=conn_options)
         self._tts: TTS = tts
         self._opts = replace(tts._opts)
-        self.sentences: list[SentenceReport] = []  # of the last attempt, segments sent as sentences
-        self.text_streams: list[TextStreamReport] = []  # of the last attempt, segments streamed
+        self.sentences: list[SentenceReport] = []  # of the last attempt, requests of sentences
+        self.text_streams: list[TextStreamReport] = []  # of the last attempt, streamed utterances
         self.attempts = 0  # LiveKit's base class calls _run once per attempt (1 + retries)
         self._played = False  # this attempt has pushed audio
 
@@ -569,7 +445,7 @@ class SynthesizeStream(tts.SynthesizeStream):
         return self.attempts == 1 or self._played
 
     async def _run(self, output_emitter: tts.AudioEmitter) -> None:
-        output_emitter.initialize(request_id=utils.shortuuid(), sample_rate=SAMPLE_RATE,
+        output_emitter.initialize(request_id=utils.shortuuid(), sample_rate=self._opts.sample_rate,
                                   num_channels=1, mime_type="audio/pcm", stream=True)  # fmt: skip
         self.attempts += 1
         self._played = False
@@ -606,25 +482,69 @@ class SynthesizeStream(tts.SynthesizeStream):
                 await utils.aio.cancel_and_wait(*tasks)
 
     async def _speak_text(self, text: SegmentText, emitter: tts.AudioEmitter) -> None:
-        """One segment: over a socket where the engine takes streamed text, else as sentences."""
+        """One segment: over sockets where the engine takes streamed text, else as sentences."""
         if self._opts.streams_text() is not False:
             if not await text.has_words():
                 return  # nothing to say: no socket (the sentence path requests nothing either)
-            report = TextStreamReport()
-
-            def deliver(data: bytes) -> None:
-                emitter.push(data)
-                self._played = True
-
-            socket = self._tts._text_socket(self._opts, self._conn_options, deliver,
-                                            self._mark_started, self._may_fail_over)  # fmt: skip
+            streamed = len(self.text_streams)
             try:
-                self.text_streams.append(report)
-                await socket.speak(text, report)
+                await self._speak_streamed(text, emitter)
                 return
             except NoTextStreaming:
-                self.text_streams.remove(report)
+                del self.text_streams[streamed:]
         await self._speak_sentences(text, emitter)
+
+    async def _speak_streamed(self, text: SegmentText, emitter: tts.AudioEmitter) -> None:
+        """The segment as one utterance; under `max_new_tokens`, one per sentence (each sentence
+        capped, as on the sentence path), each streamed as its text comes."""
+        utterances: utils.aio.Chan[SegmentText] = utils.aio.Chan()
+        splitter: asyncio.Task | None = None
+        if self._opts.max_new_tokens is None:
+            utterances.send_nowait(text)
+            utterances.close()
+        else:
+
+            async def split() -> None:
+                try:
+                    await split_sentences(text, self._tts._tokenizer.tokenize, utterances.send_nowait)
+                finally:
+                    utterances.close()
+
+            splitter = asyncio.create_task(split(), name="qwen3-tts-sentences")
+
+        async def with_words() -> AsyncIterator[SegmentText]:
+            async for utterance in utterances:
+                if await utterance.has_words():
+                    yield utterance
+
+        try:
+            await self._play_in_order(with_words(), self._speak_utterance, emitter)
+            if splitter is not None:
+                await splitter  # raises the tokenizer's error, if any
+        finally:
+            if splitter is not None:
+                await utils.aio.cancel_and_wait(splitter)
+
+    async def _speak_utterance(
+        self, index: int, text: SegmentText, deliver: Callable[[bytes], None],
+        ahead: asyncio.Task | None,  # an engine serves sockets side by side: no queue to excuse
+    ) -> None:  # fmt: skip
+        report = TextStreamReport()
+        self.text_streams.append(report)
+        attempt = self._tts._socket_attempt(self._opts, index, text, report, deliver,
+                                            self._mark_started, self._conn_options)  # fmt: skip
+        await failover.speak(self._tts._pool, attempt, may_fail_over=self._may_fail_over)
+        if not report.ended_early:
+            return
+        # Only a frame cap ends an utterance before its text: under `max_new_tokens` that is a
+        # sentence's (the rest of the segment is the next sentences'); without it, the engine's
+        # own limit, and the words it did not get are not dropped silently.
+        if self._opts.max_new_tokens is None:
+            raise APIError(f"Qwen3-TTS ended a streamed utterance after {report.samples} samples "
+                           f"before its text was all in (its frame limit); {len(report.text)} "
+                           "characters were sent", retryable=False)  # fmt: skip
+        logger.info("TTS sentence capped at max_new_tokens=%d frames before its text was all in "
+                    "(%d characters sent)", self._opts.max_new_tokens, len(report.text))  # fmt: skip
 
     async def _speak_sentences(self, text: SegmentText, emitter: tts.AudioEmitter) -> None:
         sentences = FirstClauseTokenizer(
@@ -637,58 +557,71 @@ class SynthesizeStream(tts.SynthesizeStream):
                     sentences.push_text(piece)
             sentences.end_input()
 
+        async def speakable() -> AsyncIterator[str]:
+            async for ev in sentences:
+                text = ev.token.strip()
+                if has_speakable_text(text):  # the engine would refuse it (400)
+                    yield text
+
         forwarder = asyncio.create_task(forward())
         try:
-            await self._speak_segment(sentences, emitter)
+            await self._play_in_order(speakable(), self._speak_sentence, emitter)
             await forwarder
         finally:
             await utils.aio.cancel_and_wait(forwarder)
             await sentences.aclose()
 
-    async def _speak_segment(self, sentences: tokenize.SentenceStream, emitter) -> None:
-        """Request up to `prefetch` sentences ahead; play their audio strictly in text order.
-        The first "sentence" may be the segment's first clause: it gets the small first chunk."""
+    async def _speak_sentence(
+        self, index: int, text: str, deliver: Callable[[bytes], None], ahead: asyncio.Task | None
+    ) -> None:  # fmt: skip
+        """A segment's `index`-th request; the first may be its first clause (the small first
+        chunk)."""
+        report = SentenceReport(text)
+        self.sentences.append(report)
+        attempt = self._tts._sentence_attempt(self._opts.for_request(index), report, deliver,
+                                              self._mark_started, self._conn_options, ahead)  # fmt: skip
+        await failover.speak(self._tts._pool, attempt, may_fail_over=self._may_fail_over)
+
+    async def _play_in_order(
+        self, pieces: AsyncIterator[_Piece],
+        speak: Callable[[int, _Piece, Callable[[bytes], None], asyncio.Task | None], Awaitable[None]],
+        emitter: tts.AudioEmitter,
+    ) -> None:  # fmt: skip
+        """Speak `pieces` (a segment's sentences, or its streamed utterances) up to `prefetch`
+        ahead of the one playing; play their audio strictly in order. `speak(index, piece,
+        deliver, ahead)`: `ahead` is the piece's before it (a request queued behind it)."""
         slots = asyncio.Semaphore(1 + self._opts.prefetch)
-        order: asyncio.Queue[tuple[SentenceReport, asyncio.Queue, asyncio.Task] | None] = (
-            asyncio.Queue()
-        )
+        order: asyncio.Queue[tuple[asyncio.Queue, asyncio.Task] | None] = asyncio.Queue()
         started: list[asyncio.Task] = []
 
+        async def fetch(index: int, piece: _Piece, audio: asyncio.Queue, ahead) -> None:
+            try:
+                await speak(index, piece, audio.put_nowait, ahead)
+            finally:
+                audio.put_nowait(None)
+
         async def launch() -> None:
-            async for ev in sentences:
-                text = ev.token.strip()
-                if not has_speakable_text(text):  # the engine would refuse it (400)
-                    continue
-                await slots.acquire()
-                report = SentenceReport(text)
-                self.sentences.append(report)
-                audio: asyncio.Queue[bytes | None] = asyncio.Queue()
-                ahead = started[-1] if started else None
-                opts = self._opts.for_request(len(started))
-                task = asyncio.create_task(self._fetch(opts, report, audio, ahead))
-                started.append(task)
-                order.put_nowait((report, audio, task))
-            order.put_nowait(None)
+            try:
+                async with contextlib.aclosing(pieces):
+                    async for piece in pieces:
+                        await slots.acquire()
+                        audio: asyncio.Queue[bytes | None] = asyncio.Queue()
+                        ahead = started[-1] if started else None
+                        task = asyncio.create_task(fetch(len(started), piece, audio, ahead))
+                        started.append(task)
+                        order.put_nowait((audio, task))
+            finally:  # also when reading the pieces failed: `await launcher` raises it
+                order.put_nowait(None)
 
         launcher = asyncio.create_task(launch())
         try:
             while (item := await order.get()) is not None:
-                _report, audio, task = item
+                audio, task = item
                 while (data := await audio.get()) is not None:
                     emitter.push(data)
                     self._played = True
-                await task  # raises the sentence's error, if any
+                await task  # raises the piece's error, if any
                 slots.release()
             await launcher
         finally:
             await utils.aio.cancel_and_wait(launcher, *started)
-
-    async def _fetch(
-        self, opts: _TTSOptions, report: SentenceReport, audio: asyncio.Queue,
-        ahead: asyncio.Task | None,
-    ) -> None:  # fmt: skip
-        try:
-            await self._tts._speak(opts, report, audio.put_nowait, self._mark_started,
-                                   self._conn_options, ahead, self._may_fail_over)  # fmt: skip
-        finally:
-            audio.put_nowait(None)
