@@ -45,6 +45,7 @@ if grep -iE '^(torch|torchaudio|torchvision|silero-vad)[[:space:]]' <<<"$package
 fi
 
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .  # one style (ruff format; a statement may opt out with "# fmt: skip")
 # Import contracts (pyproject.toml [tool.importlinter]): the engine never imports LiveKit, its
 # layers point one way, the agent uses its public API only.
 .venv/bin/lint-imports

@@ -46,7 +46,9 @@ def tiny_checkpoint(tmp_path_factory):
     def make(variant: str = "custom_voice", bits: int | None = None, seed: int = 0, **kw) -> Path:
         key = (variant, bits, seed, tuple(sorted(kw.items())))
         if key not in built:
-            name = f"{variant}-{bits or 'fp'}-{seed}-" + "-".join(f"{k}{v}" for k, v in sorted(kw.items()))
+            name = f"{variant}-{bits or 'fp'}-{seed}-" + "-".join(
+                f"{k}{v}" for k, v in sorted(kw.items())
+            )
             out = tmp_path_factory.mktemp("tiny") / name
             built[key] = write_tiny_checkpoint(out, variant=variant, bits=bits, seed=seed, **kw)
         return built[key]
@@ -134,7 +136,9 @@ def pytest_runtest_makereport(item, call):
     if any(r in reason for r in NOT_FOR_THIS_PLATFORM):
         return
     report.outcome = "failed"
-    report.longrepr = f"skipped, and CI is set (CI must run every test; install what it needs): {reason}"
+    report.longrepr = (
+        f"skipped, and CI is set (CI must run every test; install what it needs): {reason}"
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -64,7 +64,9 @@ def _add_livekit_command(sub, name: str) -> None:
     for option, takes_value, help in LIVEKIT_OPTIONS[name]:
         dest = "lk_" + option.replace("-", "_")
         if takes_value:
-            lk.add_argument(f"--{option}", dest=dest, help=help, metavar=option.split("-")[-1].upper())
+            lk.add_argument(
+                f"--{option}", dest=dest, help=help, metavar=option.split("-")[-1].upper()
+            )
         else:
             lk.add_argument(f"--{option}", dest=dest, action=argparse.BooleanOptionalAction,
                             help=help)  # fmt: skip
@@ -83,7 +85,9 @@ def livekit_argv(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     for f in fields(Settings):
         value = getattr(args, f.name, None)
         if value is not None:
-            env[f.metadata["env"]] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+            env[f.metadata["env"]] = (
+                ("1" if value else "0") if isinstance(value, bool) else str(value)
+            )
     return argv, env
 
 
@@ -93,28 +97,52 @@ def build_parser() -> argparse.ArgumentParser:
     for name in LIVEKIT_COMMANDS:
         _add_livekit_command(sub, name)
     d = sub.add_parser("demo", help="spoken turns from WAV files through the pipeline, offline")
-    d.add_argument("wav", nargs="*", type=Path, help="user turns (default: a question by espeak-ng)")
+    d.add_argument(
+        "wav", nargs="*", type=Path, help="user turns (default: a question by espeak-ng)"
+    )
     d.add_argument("--out", type=Path, default=Path("out/agent-reply.wav"))
     d.add_argument("--json", action="store_true", help="machine-readable report")
     add_arguments(d)
-    b = sub.add_parser("bench", help="how soon the agent answers (tuned vs baseline settings); "
-                       "TTS under LLM contention; `bench soak`: calls under injected faults (JSON)")
-    b.add_argument("suite", nargs="?", choices=["soak", "fleet"], help="soak: callers keep calling a "
-                   "real livekit-server (two workers, one engine) while faults are injected; fleet: "
-                   "the TTS plugin's priority vs balanced strategy over engines pinned to cores")
+    b = sub.add_parser(
+        "bench",
+        help="how soon the agent answers (tuned vs baseline settings); "
+        "TTS under LLM contention; `bench soak`: calls under injected faults (JSON)",
+    )
+    b.add_argument(
+        "suite",
+        nargs="?",
+        choices=["soak", "fleet"],
+        help="soak: callers keep calling a "
+        "real livekit-server (two workers, one engine) while faults are injected; fleet: "
+        "the TTS plugin's priority vs balanced strategy over engines pinned to cores",
+    )
     b.add_argument("--turns", type=int, default=6, help="plain spoken questions per configuration")
-    b.add_argument("--paused-turns", type=int, default=5,
-                   help="questions with a pause in the middle per configuration")
+    b.add_argument(
+        "--paused-turns",
+        type=int,
+        default=5,
+        help="questions with a pause in the middle per configuration",
+    )
     b.add_argument("--tts-requests", type=int, default=8)
     b.add_argument("--out", type=Path)
     soak = b.add_argument_group("soak (`voice-agent bench soak`)")
     soak.add_argument("--minutes", type=float, default=20.0, help="how long the callers call")
     soak.add_argument("--callers", type=int, default=2, help="callers calling at the same time")
-    soak.add_argument("--faults", default="all", help="all, none, or a comma-separated list of "
-                      "governor_swap, engine_worker_kill, llm_outage, agent_worker_kill, livekit_restart")
-    soak.add_argument("--short", action="store_true", help="the short version: 2.5 minutes, each fault once")
-    soak.add_argument("--keep", action="store_true", help="keep the work folder (logs) after the run")
-    soak.add_argument("--logs", type=Path, help="copy the processes' logs into this folder at the end")
+    soak.add_argument(
+        "--faults",
+        default="all",
+        help="all, none, or a comma-separated list of "
+        "governor_swap, engine_worker_kill, llm_outage, agent_worker_kill, livekit_restart",
+    )
+    soak.add_argument(
+        "--short", action="store_true", help="the short version: 2.5 minutes, each fault once"
+    )
+    soak.add_argument(
+        "--keep", action="store_true", help="keep the work folder (logs) after the run"
+    )
+    soak.add_argument(
+        "--logs", type=Path, help="copy the processes' logs into this folder at the end"
+    )
     fleet = b.add_argument_group("fleet (`voice-agent bench fleet`)")
     fleet.add_argument("--engines", type=int, default=2, help="engines, one per CPU core")
     fleet.add_argument("--streams", type=int, default=24, help="streams per phase")
@@ -125,8 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(b)
     w = sub.add_parser("web", help="the browser client and its LiveKit token endpoint")
     add_arguments(w, WebSettings)
-    k = sub.add_parser("keeper", help="calls get their agent back: LiveKit webhooks and job "
-                       "heartbeats, explicit dispatch")
+    k = sub.add_parser(
+        "keeper",
+        help="calls get their agent back: LiveKit webhooks and job heartbeats, explicit dispatch",
+    )
     add_arguments(k, KeeperSettings)
     sub.add_parser("settings", help="print the settings table (Markdown)")
     return p

@@ -77,7 +77,11 @@ class CallKeeper:
                  sweep: float = SWEEP_S) -> None:  # fmt: skip
         self.url, self.api_key, self.api_secret = url, api_key, api_secret
         self.agent_name = agent_name
-        self.heartbeat_timeout, self.dispatch_wait, self.tick_s = heartbeat_timeout, dispatch_wait, tick
+        self.heartbeat_timeout, self.dispatch_wait, self.tick_s = (
+            heartbeat_timeout,
+            dispatch_wait,
+            tick,
+        )
         self.sweep_s = sweep
         self.rooms: dict[str, RoomWatch] = {}
         self.recoveries: list[Recovery] = []
@@ -146,13 +150,19 @@ class CallKeeper:
             self.rooms[room] = RoomWatch(started=now, agents=dict(old.agents) if old else {})
         elif event.event == "room_finished":
             self.rooms.pop(room, None)
-        elif event.event == "participant_joined" and event.participant.kind == ParticipantInfo.Kind.AGENT:
+        elif (
+            event.event == "participant_joined"
+            and event.participant.kind == ParticipantInfo.Kind.AGENT
+        ):
             watch = self.rooms.setdefault(room, RoomWatch(started=now))
             # its job beats once its session has started, seconds after the join on a busy host:
             # the heartbeat timeout runs from FIRST_BEAT_GRACE after the join
             watch.agents.setdefault(event.participant.identity, now + FIRST_BEAT_GRACE)
             watch.dispatch_id = None
-        elif event.event == "participant_left" and event.participant.kind == ParticipantInfo.Kind.AGENT:
+        elif (
+            event.event == "participant_left"
+            and event.participant.kind == ParticipantInfo.Kind.AGENT
+        ):
             watch = self.rooms.get(room)
             identity = event.participant.identity
             if watch is not None:
@@ -169,9 +179,13 @@ class CallKeeper:
             body = await request.json()
             room, identity = str(body["room"]), str(body["identity"])
         except Exception as e:
-            return web.json_response({"error": f"bad heartbeat: {e}"}, status=401 if not token else 400)
+            return web.json_response(
+                {"error": f"bad heartbeat: {e}"}, status=401 if not token else 400
+            )
         if claims.video is None or claims.video.room != room or claims.identity != identity:
-            return web.json_response({"error": "the token is not for this room and agent"}, status=403)
+            return web.json_response(
+                {"error": "the token is not for this room and agent"}, status=403
+            )
         self._beat(room, identity, body.get("state"))
         return web.Response(text="ok")
 
@@ -210,8 +224,15 @@ class CallKeeper:
             watch = self.rooms.get(room)
             # with a decision about the room in flight, the agent stays on watch: its heartbeat
             # timeout decides it after that one (a lost agent is never dropped undecided)
-            if watch is not None and identity in watch.agents and self._decide(
-                    room, f"no heartbeat from {identity}: its connection closed without a goodbye", identity):
+            if (
+                watch is not None
+                and identity in watch.agents
+                and self._decide(
+                    room,
+                    f"no heartbeat from {identity}: its connection closed without a goodbye",
+                    identity,
+                )
+            ):
                 del watch.agents[identity]
         return ws
 
@@ -275,13 +296,21 @@ class CallKeeper:
         for name, watch in list(self.rooms.items()):
             for identity, beat in list(watch.agents.items()):  # undecided (room busy): next check
                 if now - beat > self.heartbeat_timeout and self._decide(
-                        name, f"no heartbeat from {identity} for {now - beat:.1f}s", identity):
+                    name, f"no heartbeat from {identity} for {now - beat:.1f}s", identity
+                ):
                     del watch.agents[identity]
             for identity, at in list(watch.left.items()):
-                if now - at >= LEFT_GRACE and self._decide(name, f"agent {identity} left the room", identity):
+                if now - at >= LEFT_GRACE and self._decide(
+                    name, f"agent {identity} left the room", identity
+                ):
                     del watch.left[identity]
             waited = now - max(watch.started, watch.last_dispatch or watch.started)
-            if not watch.agents and not watch.left and now >= watch.quiet_until and waited > self.dispatch_wait:
+            if (
+                not watch.agents
+                and not watch.left
+                and now >= watch.quiet_until
+                and waited > self.dispatch_wait
+            ):
                 self._decide(name, f"no agent after {waited:.1f}s", None)
 
     def _decide(self, room: str, reason: str, lost: str | None) -> bool:
@@ -303,11 +332,15 @@ class CallKeeper:
         assert self._lk is not None
         if lost is not None:
             try:
-                await self._lk.room.remove_participant(api.RoomParticipantIdentity(room=room, identity=lost))
+                await self._lk.room.remove_participant(
+                    api.RoomParticipantIdentity(room=room, identity=lost)
+                )
             except api.TwirpError as e:  # already gone
                 logger.debug("remove %s from %s: %s", lost, room, e)
         try:
-            people = (await self._lk.room.list_participants(api.ListParticipantsRequest(room=room))).participants
+            people = (
+                await self._lk.room.list_participants(api.ListParticipantsRequest(room=room))
+            ).participants
         except api.TwirpError as e:
             if e.code == api.TwirpErrorCode.NOT_FOUND:
                 self._forget(room, watch)
@@ -324,13 +357,24 @@ class CallKeeper:
             return
         if agents:
             return  # another agent is there already
-        current = self.rooms.get(room)  # the room's watch now (the one this was decided for, or newer)
-        if current is not None and current.dispatch_id is not None and not await self._retire(room, current.dispatch_id):
+        current = self.rooms.get(
+            room
+        )  # the room's watch now (the one this was decided for, or newer)
+        if (
+            current is not None
+            and current.dispatch_id is not None
+            and not await self._retire(room, current.dispatch_id)
+        ):
             return  # our last dispatch was given to a worker: its agent is on the way
         recovery = Recovery(room, reason, lost, time.monotonic())
         try:
-            dispatch = await self._lk.agent_dispatch.create_dispatch(api.CreateAgentDispatchRequest(
-                agent_name=self.agent_name, room=room, metadata=json.dumps({"resume": lost is not None, "reason": reason})))
+            dispatch = await self._lk.agent_dispatch.create_dispatch(
+                api.CreateAgentDispatchRequest(
+                    agent_name=self.agent_name,
+                    room=room,
+                    metadata=json.dumps({"resume": lost is not None, "reason": reason}),
+                )
+            )
             recovery.dispatch_id = dispatch.id
             if current is not None:
                 current.dispatch_id = dispatch.id
@@ -360,7 +404,11 @@ class CallKeeper:
         if dispatch is None:
             return True
         jobs = list(dispatch.state.jobs)
-        if jobs and time.time() - max(j.state.updated_at or j.state.started_at for j in jobs) / 1e9 < JOIN_WAIT:
+        if (
+            jobs
+            and time.time() - max(j.state.updated_at or j.state.started_at for j in jobs) / 1e9
+            < JOIN_WAIT
+        ):
             return False
         try:
             await self._lk.agent_dispatch.delete_dispatch(dispatch_id, room)
@@ -372,11 +420,16 @@ class CallKeeper:
 def run_keeper(settings) -> int:
     """`voice-agent keeper` (blocks until Ctrl-C / SIGTERM)."""
     if not (settings.livekit_url and settings.livekit_api_key and settings.livekit_api_secret):
-        raise SystemExit("voice-agent keeper: LIVEKIT_URL, LIVEKIT_API_KEY and LIVEKIT_API_SECRET are required")
+        raise SystemExit(
+            "voice-agent keeper: LIVEKIT_URL, LIVEKIT_API_KEY and LIVEKIT_API_SECRET are required"
+        )
     keeper = CallKeeper(settings.livekit_url, settings.livekit_api_key, settings.livekit_api_secret,
                         agent_name=settings.agent_name, heartbeat_timeout=settings.keeper_heartbeat_timeout,
                         dispatch_wait=settings.keeper_dispatch_wait)  # fmt: skip
-    print(f"voice-agent keeper on http://{settings.keeper_host}:{settings.keeper_port} "
-          "(POST /webhook for LiveKit, /v1/heartbeat for jobs; GET /v1/status)", flush=True)
+    print(
+        f"voice-agent keeper on http://{settings.keeper_host}:{settings.keeper_port} "
+        "(POST /webhook for LiveKit, /v1/heartbeat for jobs; GET /v1/status)",
+        flush=True,
+    )
     web.run_app(keeper.app(), host=settings.keeper_host, port=settings.keeper_port, print=None)
     return 0

@@ -21,7 +21,9 @@ def use_multiprocess_dir() -> str | None:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         return os.environ["PROMETHEUS_MULTIPROC_DIR"]
     if "prometheus_client" in sys.modules:
-        raise RuntimeError("prometheus_client was imported before its multiprocess directory was set")
+        raise RuntimeError(
+            "prometheus_client was imported before its multiprocess directory was set"
+        )
     path = tempfile.mkdtemp(prefix="voice-agent-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
     atexit.register(shutil.rmtree, path, ignore_errors=True)

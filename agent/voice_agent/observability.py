@@ -27,8 +27,9 @@ TURN_METRICS = {
     "tts_node_ttfb": "assistant", "e2e_latency": "assistant",
 }  # fmt: skip
 _HISTOGRAMS = {
-    name: Histogram(f"voice_agent_{name}_seconds", f"Per-turn {name} (LiveKit metrics)",
-                    buckets=_BUCKETS)  # fmt: skip
+    name: Histogram(
+        f"voice_agent_{name}_seconds", f"Per-turn {name} (LiveKit metrics)", buckets=_BUCKETS
+    )  # fmt: skip
     for name in TURN_METRICS
 }
 # what the pipeline adds beyond the parts LiveKit measures: e2e - end of turn - LLM TTFT - TTS TTFB
@@ -60,7 +61,11 @@ class TurnMetrics:
     def observe(self, item) -> None:
         if not isinstance(item, llm.ChatMessage):
             return
-        values = {k: v for k, v in item.metrics.items() if k in TURN_METRICS and TURN_METRICS[k] == item.role}
+        values = {
+            k: v
+            for k, v in item.metrics.items()
+            if k in TURN_METRICS and TURN_METRICS[k] == item.role
+        }
         for k, v in values.items():
             if isinstance(v, int | float):
                 _HISTOGRAMS[k].observe(v)
@@ -72,7 +77,10 @@ class TurnMetrics:
             TURNS.inc()
             if item.interrupted:
                 INTERRUPTIONS.inc()
-            parts = [turn.get(k) for k in ("e2e_latency", "end_of_turn_delay", "llm_node_ttft", "tts_node_ttfb")]
+            parts = [
+                turn.get(k)
+                for k in ("e2e_latency", "end_of_turn_delay", "llm_node_ttft", "tts_node_ttfb")
+            ]
             if all(isinstance(v, int | float) for v in parts):
                 added = parts[0] - sum(parts[1:])
                 turn["added_latency"] = added
@@ -85,7 +93,9 @@ async def start_metrics_server(port: int) -> web.AppRunner:
     """`/metrics` (Prometheus) and `/health` on 127.0.0.1:port; returns the runner to stop it."""
 
     async def metrics(_: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(
+            body=generate_latest(REGISTRY), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -98,12 +108,14 @@ async def start_metrics_server(port: int) -> web.AppRunner:
     return runner
 
 
-
 def tracer_provider_from_env(service_name: str = "voice-agent"):
     """An OpenTelemetry tracer provider exporting over OTLP when OTEL_EXPORTER_OTLP_ENDPOINT (or
     ..._TRACES_ENDPOINT) is set, else None. OTEL_EXPORTER_OTLP_PROTOCOL: `http/protobuf`
     (default) or `grpc`; OTEL_SERVICE_NAME overrides the service name."""
-    if not any(os.environ.get(k) for k in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")):
+    if not any(
+        os.environ.get(k)
+        for k in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+    ):
         return None
     # the exporter of the protocol asked for, when tracing is on (CLI start-up time: grpc is slow)
     if os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf") == "grpc":

@@ -62,7 +62,11 @@ class VoiceAgent(Agent):
 
 def build_stt(settings: Settings):
 
-    model = "bundled" if settings.offline and settings.stt_model in ("base.en", "tiny.en") else settings.stt_model
+    model = (
+        "bundled"
+        if settings.offline and settings.stt_model in ("base.en", "tiny.en")
+        else settings.stt_model
+    )
     return faster_whisper.STT(model=model, language=settings.stt_language, streaming=settings.stt_streaming,
                               encoder_context=settings.stt_encoder_context,
                               final_after_silence=settings.stt_final_silence)  # fmt: skip
@@ -84,7 +88,11 @@ def build_llm(settings: Settings, base_url: str):
 def build_tts(settings: Settings, url: str, *, phone: bool = False):
     """Qwen3-TTS; `phone`: asking the engine for phone-rate audio (PHONE_SAMPLE_RATE) where the
     engine's protocol has the field (qwen3-tts; vLLM-Omni sends 24 kHz, LiveKit resamples)."""
-    rate = PHONE_SAMPLE_RATE if phone and settings.tts_protocol == "qwen3-tts" else qwen3_tts.SAMPLE_RATE
+    rate = (
+        PHONE_SAMPLE_RATE
+        if phone and settings.tts_protocol == "qwen3-tts"
+        else qwen3_tts.SAMPLE_RATE
+    )
     return qwen3_tts.TTS(
         base_url=url, voice=settings.tts_voice, language=settings.tts_language,
         protocol=settings.tts_protocol, max_new_tokens=settings.tts_max_new_tokens,
@@ -134,12 +142,21 @@ def build_session(settings: Settings, *, tts_url: str, llm_url: str, vad=None, s
         tts=build_tts(settings, tts_url, phone=phone),
         turn_handling={
             "turn_detection": build_turn_detector(settings),
-            "endpointing": {"mode": "fixed", "min_delay": settings.endpointing_min_delay,
-                            "max_delay": settings.endpointing_max_delay},
-            "interruption": {"enabled": True, "mode": "vad", "min_duration": 0.3,
-                             "resume_false_interruption": False},
-            "preemptive_generation": {"enabled": settings.preemptive_generation,
-                                      "preemptive_tts": settings.preemptive_tts},
+            "endpointing": {
+                "mode": "fixed",
+                "min_delay": settings.endpointing_min_delay,
+                "max_delay": settings.endpointing_max_delay,
+            },
+            "interruption": {
+                "enabled": True,
+                "mode": "vad",
+                "min_duration": 0.3,
+                "resume_false_interruption": False,
+            },
+            "preemptive_generation": {
+                "enabled": settings.preemptive_generation,
+                "preemptive_tts": settings.preemptive_tts,
+            },
         },  # fmt: skip
         user_away_timeout=None,
         tts_text_transforms=TTS_TEXT_TRANSFORMS,  # LiveKit's, and zero-width/control characters out
@@ -147,6 +164,7 @@ def build_session(settings: Settings, *, tts_url: str, llm_url: str, vad=None, s
         # whisper pass on a loaded CPU, as a stall
         conn_options=SessionConnectOptions(
             tts_conn_options=APIConnectOptions(timeout=settings.tts_timeout),
-            stt_conn_options=APIConnectOptions(timeout=settings.stt_timeout)),
+            stt_conn_options=APIConnectOptions(timeout=settings.stt_timeout),
+        ),
         **extra,
     )

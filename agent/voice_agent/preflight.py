@@ -34,7 +34,9 @@ def _url_option(argv: Sequence[str]) -> str | None:
 def _check_livekit_url(argv: Sequence[str] = ()) -> str | None:
     url = _url_option(argv) or os.environ.get("LIVEKIT_URL")
     if not url:
-        return "LIVEKIT_URL is not set (and LIVEKIT_API_KEY / LIVEKIT_API_SECRET): see docs/agent.md"
+        return (
+            "LIVEKIT_URL is not set (and LIVEKIT_API_KEY / LIVEKIT_API_SECRET): see docs/agent.md"
+        )
     u = urlparse(url)
     try:
         port = u.port or (443 if u.scheme in ("wss", "https") else 80)

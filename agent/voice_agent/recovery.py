@@ -169,7 +169,11 @@ class CallRecord:
     def _on_item(self, ev) -> None:
         item = ev.item
         text = getattr(item, "text_content", None)
-        if getattr(item, "type", None) != "message" or item.role not in ("user", "assistant") or not text:
+        if (
+            getattr(item, "type", None) != "message"
+            or item.role not in ("user", "assistant")
+            or not text
+        ):
             return
         self.history.append({"role": item.role, "text": text})
         self._dirty = True
@@ -182,7 +186,8 @@ class CallRecord:
             metadata = metadata_with_history(self.ctx.room.metadata, self.history)
             try:
                 await self.ctx.api.room.update_room_metadata(
-                    api.UpdateRoomMetadataRequest(room=self.ctx.room.name, metadata=metadata))
+                    api.UpdateRoomMetadataRequest(room=self.ctx.room.name, metadata=metadata)
+                )
             except Exception as e:  # the call goes on without a record
                 logger.warning("could not store the conversation in the room's metadata: %s", e)
 
@@ -212,7 +217,10 @@ class CallRecord:
         kernel closes the socket); while the socket cannot be opened, single beats are posted."""
         url = f"{self.keeper_url.rstrip('/')}/v1/heartbeat/ws".replace("http", "ws", 1)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=2)
-        async with aiohttp.ClientSession(timeout=timeout) as http, httpx.AsyncClient(timeout=2) as client:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as http,
+            httpx.AsyncClient(timeout=2) as client,
+        ):
             while True:
                 try:
                     async with http.ws_connect(url, headers={"Authorization": f"Bearer {self._token()}"},
@@ -229,4 +237,3 @@ class CallRecord:
                     self._ws = None
                 await self._beat(client=client)
                 await asyncio.sleep(HEARTBEAT_S)
-

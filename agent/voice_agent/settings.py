@@ -123,7 +123,9 @@ def parse_dtmf_actions(spec: str) -> dict[str, str]:
         if not sep or len(digit) != 1 or digit not in DTMF_DIGITS:
             raise ValueError(f"{entry!r} is not DIGIT=ACTION (a digit 0-9, * or #)")
         if action not in DTMF_ACTIONS:
-            raise ValueError(f"{entry!r}: unknown action {action!r} (choose from {', '.join(DTMF_ACTIONS)})")
+            raise ValueError(
+                f"{entry!r}: unknown action {action!r} (choose from {', '.join(DTMF_ACTIONS)})"
+            )
         if digit in actions:
             raise ValueError(f"digit {digit!r} is given two actions")
         actions[digit] = action
@@ -141,7 +143,9 @@ def _dtmf_actions(v: str) -> str | None:
 def _transfer_target(v: str) -> str | None:
     """A `tel:` or `sip:` URI, or a number in E.164 form (+ and digits)."""
     number = v.removeprefix("tel:")
-    if v.startswith("sip:") or (number.startswith("+") and number[1:].isdigit() and len(number) > 4):
+    if v.startswith("sip:") or (
+        number.startswith("+") and number[1:].isdigit() and len(number) > 4
+    ):
         return None
     return f"{v!r} is not a phone number (+15550100, tel:+15550100) or a sip: URI"
 
@@ -180,180 +184,378 @@ class _EnvSettings:
 
 @dataclass
 class Settings(_EnvSettings):
-    tts_url: str | None = _f("TTS_URL", None, "Qwen3-TTS engine or vLLM-Omni URL(s), comma-separated; "
-                             "unset: start one local engine per host (shared by its workers)")
-    tts_model: str = _f("TTS_MODEL", "mlx-community/Qwen3-TTS-12Hz-0.6B-CustomVoice",
-                        "model of the local engine (hub id or directory)", check=_model_dir)
-    tts_variant: str | None = _f("TTS_VARIANT", None, "variant of the local engine (bf16, 8bit, "
-                                 "6bit, 4bit, talker-mlp-w4, ...); unset: 6bit for mlx-community",
-                                 check=_tts_variant)
+    tts_url: str | None = _f(
+        "TTS_URL",
+        None,
+        "Qwen3-TTS engine or vLLM-Omni URL(s), comma-separated; "
+        "unset: start one local engine per host (shared by its workers)",
+    )
+    tts_model: str = _f(
+        "TTS_MODEL",
+        "mlx-community/Qwen3-TTS-12Hz-0.6B-CustomVoice",
+        "model of the local engine (hub id or directory)",
+        check=_model_dir,
+    )
+    tts_variant: str | None = _f(
+        "TTS_VARIANT",
+        None,
+        "variant of the local engine (bf16, 8bit, "
+        "6bit, 4bit, talker-mlp-w4, ...); unset: 6bit for mlx-community",
+        check=_tts_variant,
+    )
     tts_voice: str = _f("TTS_VOICE", "ryan", "speaker (CustomVoice models)")
     tts_language: str = _f("TTS_LANGUAGE", "en", "language of the agent's speech")
-    tts_protocol: str = _f("TTS_PROTOCOL", "qwen3-tts", "qwen3-tts or vllm-omni",
-                           check=_choice("qwen3-tts", "vllm-omni"))
+    tts_protocol: str = _f(
+        "TTS_PROTOCOL",
+        "qwen3-tts",
+        "qwen3-tts or vllm-omni",
+        check=_choice("qwen3-tts", "vllm-omni"),
+    )
     tts_port: int = _f("TTS_PORT", 8880, "port of the local engine", check=_port)
-    tts_max_new_tokens: int | None = _f("TTS_MAX_NEW_TOKENS", None, "frame cap per sentence "
-                                        "(unset: derived from the text by the engine)",
-                                        check=_positive)
-    stt_model: str = _f("STT_MODEL", "base.en", "faster-whisper model; offline: the bundled tiny.en",
-                        check=_stt_model)
+    tts_max_new_tokens: int | None = _f(
+        "TTS_MAX_NEW_TOKENS",
+        None,
+        "frame cap per sentence (unset: derived from the text by the engine)",
+        check=_positive,
+    )
+    stt_model: str = _f(
+        "STT_MODEL",
+        "base.en",
+        "faster-whisper model; offline: the bundled tiny.en",
+        check=_stt_model,
+    )
     stt_language: str = _f("STT_LANGUAGE", "en", "language of the user's speech")
-    stt_streaming: bool = _f("STT_STREAMING", True, "transcribe while the user speaks, so the final "
-                             "transcript is ready soon after the end of speech (off: the whole "
-                             "utterance once it has ended)")
-    stt_encoder_context: float = _f("STT_ENCODER_CONTEXT", 15.0, "seconds of audio whisper's encoder "
-                                    "sees in a streaming pass (30: whisper's full context; shorter "
-                                    "is faster, 15 transcribes as 30 on the bench's speech)",
-                                    check=_whisper_context)
-    stt_final_silence: float = _f("STT_FINAL_SILENCE", 0.3, "seconds of silence after which the "
-                                  "streaming STT ends an utterance it has heard in full, before "
-                                  "the VAD's end of speech (LiveKit's end-of-turn check sees final "
-                                  "transcripts only)", check=_positive)
-    llm_base_url: str | None = _f("LLM_BASE_URL", None, "OpenAI-compatible server (vLLM, Ollama, "
-                                  "llama.cpp, mlx-lm, OpenAI); unset: start mlx_lm.server locally")
-    llm_model: str = _f("LLM_MODEL", "mlx-community/Qwen3-0.6B-4bit", "chat model name or local model")
+    stt_streaming: bool = _f(
+        "STT_STREAMING",
+        True,
+        "transcribe while the user speaks, so the final "
+        "transcript is ready soon after the end of speech (off: the whole "
+        "utterance once it has ended)",
+    )
+    stt_encoder_context: float = _f(
+        "STT_ENCODER_CONTEXT",
+        15.0,
+        "seconds of audio whisper's encoder "
+        "sees in a streaming pass (30: whisper's full context; shorter "
+        "is faster, 15 transcribes as 30 on the bench's speech)",
+        check=_whisper_context,
+    )
+    stt_final_silence: float = _f(
+        "STT_FINAL_SILENCE",
+        0.3,
+        "seconds of silence after which the "
+        "streaming STT ends an utterance it has heard in full, before "
+        "the VAD's end of speech (LiveKit's end-of-turn check sees final "
+        "transcripts only)",
+        check=_positive,
+    )
+    llm_base_url: str | None = _f(
+        "LLM_BASE_URL",
+        None,
+        "OpenAI-compatible server (vLLM, Ollama, "
+        "llama.cpp, mlx-lm, OpenAI); unset: start mlx_lm.server locally",
+    )
+    llm_model: str = _f(
+        "LLM_MODEL", "mlx-community/Qwen3-0.6B-4bit", "chat model name or local model"
+    )
     llm_api_key: str = _f("LLM_API_KEY", "not-needed", "API key of the LLM server")
     llm_port: int = _f("LLM_PORT", 8090, "port of the local mlx_lm.server", check=_port)
-    llm_max_tokens: int = _f("LLM_MAX_TOKENS", 256, "cap on the tokens of one reply",
-                               check=_positive)
-    llm_temperature: float | None = _f("LLM_TEMPERATURE", None, "sampling temperature (unset: "
-                                       "the server's default)", check=_not_negative)
-    llm_timeout: float = _f("LLM_TIMEOUT", 120.0, "seconds; local prefill can be slow",
-                             check=_positive)
+    llm_max_tokens: int = _f(
+        "LLM_MAX_TOKENS", 256, "cap on the tokens of one reply", check=_positive
+    )
+    llm_temperature: float | None = _f(
+        "LLM_TEMPERATURE",
+        None,
+        "sampling temperature (unset: the server's default)",
+        check=_not_negative,
+    )
+    llm_timeout: float = _f(
+        "LLM_TIMEOUT", 120.0, "seconds; local prefill can be slow", check=_positive
+    )
     # Turn-taking: when the agent decides the user has finished (docs/agent.md: Turn-taking).
-    vad_min_silence: float = _f("VAD_MIN_SILENCE", 0.35, "seconds of silence before Silero reports "
-                                "the end of speech (LiveKit's default: 0.55)", check=_positive)
-    endpointing_min_delay: float = _f("ENDPOINTING_MIN_DELAY", 0.5, "seconds after the last speech "
-                                      "before a finished-sounding turn is committed",
-                                      check=_not_negative)
-    endpointing_max_delay: float = _f("ENDPOINTING_MAX_DELAY", 2.5, "seconds the agent waits after "
-                                      "speech that sounds unfinished (TURN_DETECTOR)",
-                                      check=_positive)
-    turn_detector: str = _f("TURN_DETECTOR", "rule", "end-of-turn check on the transcript: rule "
-                            "(a trailing 'and', 'for', comma... waits ENDPOINTING_MAX_DELAY), livekit "
-                            "(livekit-plugins-turn-detector's model, when installed with its model "
-                            "files), none", check=_choice("rule", "livekit", "none"))
-    tts_text_input: str = _f("TTS_TEXT_INPUT", "auto", "how the reply's text reaches the TTS "
-                             "engine: stream (as the LLM writes it, over the engine's WebSocket), "
-                             "sentences (a request per sentence and first clause), auto (stream "
-                             "where the engine's status says it can: ours, not vLLM-Omni)",
-                             check=_choice("auto", "stream", "sentences"))
-    tts_first_clause_words: int = _f("TTS_FIRST_CLAUSE_WORDS", 3, "sentence input: a reply's first "
-                                     "request to the TTS is its first clause once it has this many "
-                                     "words (a comma, dash...); 0: whole sentences",
-                                     check=_not_negative)
-    tts_first_clause_chunk_frames: int = _f("TTS_FIRST_CLAUSE_CHUNK_FRAMES", 2, "codec frames in the "
-                                            "first audio chunk of a reply's first request (1, 2 or "
-                                            "4; later requests: 4); streamed input: of each reply", check=_choice(1, 2, 4))
-    preemptive_generation: bool = _f("PREEMPTIVE_GENERATION", True, "start the LLM on the final "
-                                     "transcript before the turn is committed (LiveKit's; redone "
-                                     "if the transcript changes)")
-    preemptive_tts: bool = _f("PREEMPTIVE_TTS", False, "with PREEMPTIVE_GENERATION, also start the "
-                              "reply's speech before the turn is committed (LiveKit's; its audio "
-                              "plays only if the turn goes on to commit)")
-    instructions: str = _f("AGENT_INSTRUCTIONS", "You are a helpful voice assistant. Answer in one "
-                           "or two short spoken sentences, without markdown.", "system prompt")
-    metrics_port: int = _f("METRICS_PORT", 0, "Prometheus port of the agent (`/metrics`; 0: off): "
-                           "in start/dev mode LiveKit's worker endpoint, carrying every job "
-                           "process's turns (prometheus-client multiprocess mode)", check=_port)
-    tts_timeout: float = _f("TTS_TIMEOUT", 30.0, "seconds the agent waits for the TTS engine's "
-                            "response and then for each next chunk before it fails over or gives "
-                            "up (a shared engine's queue counts)", check=_positive)
-    stt_timeout: float = _f("STT_TIMEOUT", 30.0, "seconds a transcription may take before the "
-                            "turn gives up on it (LiveKit's default, 10 s, is short for a local "
-                            "model on a busy CPU)", check=_positive)
-    tts_queue_capacity: int = _f("TTS_QUEUE_CAPACITY", 4, "engine requests (waiting or in flight) "
-                                 "at which the worker reports full load to LiveKit",
-                                 check=_positive)
-    agent_load_threshold: float = _f("AGENT_LOAD_THRESHOLD", 0.7, "load (0..1: the larger of CPU, "
-                                     "TTS queue, TTS memory) at which LiveKit sends no new jobs",
-                                     check=_fraction)
-    agent_load_cpu: bool = _f("AGENT_LOAD_CPU", True, "count this host's CPU in the load (off: "
-                              "only the TTS engine's queue and memory, e.g. when the engine and "
-                              "its CPU are on another host)")
-    agent_http_host: str = _f("AGENT_HTTP_HOST", "127.0.0.1", "address the worker's health, load "
-                              "and metrics endpoints bind (0.0.0.0 in a container, for probes "
-                              "and Prometheus)")
-    agent_http_port: int = _f("AGENT_HTTP_PORT", 8081, "port of the worker's health and load "
-                              "endpoints (`/`, `/worker`; 0: any free port)", check=_port)
-    worker_tag: str | None = _f("WORKER_TAG", None, "name of this worker, published as the agent "
-                                "participant's `worker` attribute (unset: none)")
+    vad_min_silence: float = _f(
+        "VAD_MIN_SILENCE",
+        0.35,
+        "seconds of silence before Silero reports the end of speech (LiveKit's default: 0.55)",
+        check=_positive,
+    )
+    endpointing_min_delay: float = _f(
+        "ENDPOINTING_MIN_DELAY",
+        0.5,
+        "seconds after the last speech before a finished-sounding turn is committed",
+        check=_not_negative,
+    )
+    endpointing_max_delay: float = _f(
+        "ENDPOINTING_MAX_DELAY",
+        2.5,
+        "seconds the agent waits after speech that sounds unfinished (TURN_DETECTOR)",
+        check=_positive,
+    )
+    turn_detector: str = _f(
+        "TURN_DETECTOR",
+        "rule",
+        "end-of-turn check on the transcript: rule "
+        "(a trailing 'and', 'for', comma... waits ENDPOINTING_MAX_DELAY), livekit "
+        "(livekit-plugins-turn-detector's model, when installed with its model "
+        "files), none",
+        check=_choice("rule", "livekit", "none"),
+    )
+    tts_text_input: str = _f(
+        "TTS_TEXT_INPUT",
+        "auto",
+        "how the reply's text reaches the TTS "
+        "engine: stream (as the LLM writes it, over the engine's WebSocket), "
+        "sentences (a request per sentence and first clause), auto (stream "
+        "where the engine's status says it can: ours, not vLLM-Omni)",
+        check=_choice("auto", "stream", "sentences"),
+    )
+    tts_first_clause_words: int = _f(
+        "TTS_FIRST_CLAUSE_WORDS",
+        3,
+        "sentence input: a reply's first "
+        "request to the TTS is its first clause once it has this many "
+        "words (a comma, dash...); 0: whole sentences",
+        check=_not_negative,
+    )
+    tts_first_clause_chunk_frames: int = _f(
+        "TTS_FIRST_CLAUSE_CHUNK_FRAMES",
+        2,
+        "codec frames in the "
+        "first audio chunk of a reply's first request (1, 2 or "
+        "4; later requests: 4); streamed input: of each reply",
+        check=_choice(1, 2, 4),
+    )
+    preemptive_generation: bool = _f(
+        "PREEMPTIVE_GENERATION",
+        True,
+        "start the LLM on the final "
+        "transcript before the turn is committed (LiveKit's; redone "
+        "if the transcript changes)",
+    )
+    preemptive_tts: bool = _f(
+        "PREEMPTIVE_TTS",
+        False,
+        "with PREEMPTIVE_GENERATION, also start the "
+        "reply's speech before the turn is committed (LiveKit's; its audio "
+        "plays only if the turn goes on to commit)",
+    )
+    instructions: str = _f(
+        "AGENT_INSTRUCTIONS",
+        "You are a helpful voice assistant. Answer in one "
+        "or two short spoken sentences, without markdown.",
+        "system prompt",
+    )
+    metrics_port: int = _f(
+        "METRICS_PORT",
+        0,
+        "Prometheus port of the agent (`/metrics`; 0: off): "
+        "in start/dev mode LiveKit's worker endpoint, carrying every job "
+        "process's turns (prometheus-client multiprocess mode)",
+        check=_port,
+    )
+    tts_timeout: float = _f(
+        "TTS_TIMEOUT",
+        30.0,
+        "seconds the agent waits for the TTS engine's "
+        "response and then for each next chunk before it fails over or gives "
+        "up (a shared engine's queue counts)",
+        check=_positive,
+    )
+    stt_timeout: float = _f(
+        "STT_TIMEOUT",
+        30.0,
+        "seconds a transcription may take before the "
+        "turn gives up on it (LiveKit's default, 10 s, is short for a local "
+        "model on a busy CPU)",
+        check=_positive,
+    )
+    tts_queue_capacity: int = _f(
+        "TTS_QUEUE_CAPACITY",
+        4,
+        "engine requests (waiting or in flight) at which the worker reports full load to LiveKit",
+        check=_positive,
+    )
+    agent_load_threshold: float = _f(
+        "AGENT_LOAD_THRESHOLD",
+        0.7,
+        "load (0..1: the larger of CPU, TTS queue, TTS memory) at which LiveKit sends no new jobs",
+        check=_fraction,
+    )
+    agent_load_cpu: bool = _f(
+        "AGENT_LOAD_CPU",
+        True,
+        "count this host's CPU in the load (off: "
+        "only the TTS engine's queue and memory, e.g. when the engine and "
+        "its CPU are on another host)",
+    )
+    agent_http_host: str = _f(
+        "AGENT_HTTP_HOST",
+        "127.0.0.1",
+        "address the worker's health, load "
+        "and metrics endpoints bind (0.0.0.0 in a container, for probes "
+        "and Prometheus)",
+    )
+    agent_http_port: int = _f(
+        "AGENT_HTTP_PORT",
+        8081,
+        "port of the worker's health and load endpoints (`/`, `/worker`; 0: any free port)",
+        check=_port,
+    )
+    worker_tag: str | None = _f(
+        "WORKER_TAG",
+        None,
+        "name of this worker, published as the agent "
+        "participant's `worker` attribute (unset: none)",
+    )
     # Phone calls: callers that are SIP participants (docs/telephony.md).
-    phone_greeting: str = _f("PHONE_GREETING", "Hello! You are speaking with a voice assistant. "
-                             "How can I help you?", "what the agent says when a phone caller "
-                             "joins ({caller_number}: the caller's number, digit by digit; empty: "
-                             "nothing)")
-    phone_vad_activation: float = _f("PHONE_VAD_ACTIVATION", 0.5, "Silero's speech threshold for "
-                                     "phone callers (raise it on noisy lines)", check=_probability)
-    phone_vad_min_silence: float = _f("PHONE_VAD_MIN_SILENCE", 0.35, "VAD_MIN_SILENCE for phone "
-                                      "callers", check=_positive)
-    dtmf_actions: str = _f("DTMF_ACTIONS", "", "keypad digits with an action, e.g. "
-                           "'0=transfer,9=hangup'; every other digit reaches the LLM as text ('The "
-                           "caller pressed 1')", check=_dtmf_actions)
-    transfer_to: str | None = _f("TRANSFER_TO", None, "where `transfer_call` and the transfer "
-                                 "digit send a phone caller (+15550100, tel:..., sip:...; unset: "
-                                 "no transfers)", check=_transfer_target)
-    keeper_url: str | None = _f("KEEPER_URL", None, "the call keeper (`voice-agent keeper`): each "
-                                "job sends it heartbeats, so a call whose agent is lost gets a new "
-                                "one (unset: no heartbeats)")
-    resume_greeting: str = _f("RESUME_GREETING", "Sorry, we were cut off for a moment. I am back, "
-                              "please go on.", "what an agent says when it takes over a call whose "
-                              "agent was lost (the conversation so far comes from the room)")
-    offline: bool = _f("VOICE_AGENT_OFFLINE", False, "never use the network: bundled and generated "
-                       "models only (also implied by HF_HUB_OFFLINE=1)")
+    phone_greeting: str = _f(
+        "PHONE_GREETING",
+        "Hello! You are speaking with a voice assistant. How can I help you?",
+        "what the agent says when a phone caller "
+        "joins ({caller_number}: the caller's number, digit by digit; empty: "
+        "nothing)",
+    )
+    phone_vad_activation: float = _f(
+        "PHONE_VAD_ACTIVATION",
+        0.5,
+        "Silero's speech threshold for phone callers (raise it on noisy lines)",
+        check=_probability,
+    )
+    phone_vad_min_silence: float = _f(
+        "PHONE_VAD_MIN_SILENCE", 0.35, "VAD_MIN_SILENCE for phone callers", check=_positive
+    )
+    dtmf_actions: str = _f(
+        "DTMF_ACTIONS",
+        "",
+        "keypad digits with an action, e.g. "
+        "'0=transfer,9=hangup'; every other digit reaches the LLM as text ('The "
+        "caller pressed 1')",
+        check=_dtmf_actions,
+    )
+    transfer_to: str | None = _f(
+        "TRANSFER_TO",
+        None,
+        "where `transfer_call` and the transfer "
+        "digit send a phone caller (+15550100, tel:..., sip:...; unset: "
+        "no transfers)",
+        check=_transfer_target,
+    )
+    keeper_url: str | None = _f(
+        "KEEPER_URL",
+        None,
+        "the call keeper (`voice-agent keeper`): each "
+        "job sends it heartbeats, so a call whose agent is lost gets a new "
+        "one (unset: no heartbeats)",
+    )
+    resume_greeting: str = _f(
+        "RESUME_GREETING",
+        "Sorry, we were cut off for a moment. I am back, please go on.",
+        "what an agent says when it takes over a call whose "
+        "agent was lost (the conversation so far comes from the room)",
+    )
+    offline: bool = _f(
+        "VOICE_AGENT_OFFLINE",
+        False,
+        "never use the network: bundled and generated "
+        "models only (also implied by HF_HUB_OFFLINE=1)",
+    )
 
 
 @dataclass
 class WebSettings(_EnvSettings):
     """`voice-agent web`: the browser client and its token endpoint."""
 
-    livekit_url: str | None = _f("LIVEKIT_URL", None, "LiveKit server the tokens are for (ws:// or wss://)")
+    livekit_url: str | None = _f(
+        "LIVEKIT_URL", None, "LiveKit server the tokens are for (ws:// or wss://)"
+    )
     livekit_api_key: str | None = _f("LIVEKIT_API_KEY", None, "API key that signs the tokens")
     livekit_api_secret: str | None = _f("LIVEKIT_API_SECRET", None, "API secret that signs the tokens "
                                         "(environment or .env only; never sent to the page)",
                                         flag=False)  # fmt: skip
-    web_livekit_url: str | None = _f("WEB_LIVEKIT_URL", None, "LiveKit URL as the browser must "
-                                     "reach it, when that differs from LIVEKIT_URL")
-    web_host: str = _f("WEB_HOST", "127.0.0.1", "address the web server binds (the token "
-                       "endpoint has no login: expose it only behind your own auth)")
+    web_livekit_url: str | None = _f(
+        "WEB_LIVEKIT_URL",
+        None,
+        "LiveKit URL as the browser must reach it, when that differs from LIVEKIT_URL",
+    )
+    web_host: str = _f(
+        "WEB_HOST",
+        "127.0.0.1",
+        "address the web server binds (the token "
+        "endpoint has no login: expose it only behind your own auth)",
+    )
     web_port: int = _f("WEB_PORT", 8300, "port of the web server", check=_port)
-    web_token_ttl: int = _f("WEB_TOKEN_TTL", 600, "seconds a token stays valid for joining (keep "
-                            "it short: a leaked token joins its room until then)", check=_positive)
-    web_token_rate: int = _f("WEB_TOKEN_RATE", 10, "token requests per minute from one client "
-                             "address, refused or not (over it: 429 with Retry-After; 0: no limit)",
-                             check=_not_negative)
-    web_allow_room_names: bool = _f("WEB_ALLOW_ROOM_NAMES", False, "let visitors name the room "
-                                    "they join (off: 403 for a named room; every visit gets a "
-                                    "new unguessable room)")
-    web_allow_occupied_rooms: bool = _f("WEB_ALLOW_OCCUPIED_ROOMS", False, "with "
-                                        "WEB_ALLOW_ROOM_NAMES: also grant a named room that "
-                                        "already has a person in it (off: 409; the LiveKit "
-                                        "server is asked, 503 when it cannot be)")
-    web_client_js: str | None = _f("WEB_CLIENT_JS", None, "path of livekit-client.umd.js (unset: "
-                                   "agent/voice_agent/web/node_modules, from npm ci)")
+    web_token_ttl: int = _f(
+        "WEB_TOKEN_TTL",
+        600,
+        "seconds a token stays valid for joining (keep "
+        "it short: a leaked token joins its room until then)",
+        check=_positive,
+    )
+    web_token_rate: int = _f(
+        "WEB_TOKEN_RATE",
+        10,
+        "token requests per minute from one client "
+        "address, refused or not (over it: 429 with Retry-After; 0: no limit)",
+        check=_not_negative,
+    )
+    web_allow_room_names: bool = _f(
+        "WEB_ALLOW_ROOM_NAMES",
+        False,
+        "let visitors name the room "
+        "they join (off: 403 for a named room; every visit gets a "
+        "new unguessable room)",
+    )
+    web_allow_occupied_rooms: bool = _f(
+        "WEB_ALLOW_OCCUPIED_ROOMS",
+        False,
+        "with "
+        "WEB_ALLOW_ROOM_NAMES: also grant a named room that "
+        "already has a person in it (off: 409; the LiveKit "
+        "server is asked, 503 when it cannot be)",
+    )
+    web_client_js: str | None = _f(
+        "WEB_CLIENT_JS",
+        None,
+        "path of livekit-client.umd.js (unset: agent/voice_agent/web/node_modules, from npm ci)",
+    )
 
 
 @dataclass
 class KeeperSettings(_EnvSettings):
     """`voice-agent keeper`: calls get their agent back (LiveKit webhooks, job heartbeats)."""
 
-    keeper_host: str = _f("KEEPER_HOST", "127.0.0.1", "address the keeper binds (LiveKit's "
-                          "webhooks and the workers' heartbeats must reach it)")
+    keeper_host: str = _f(
+        "KEEPER_HOST",
+        "127.0.0.1",
+        "address the keeper binds (LiveKit's webhooks and the workers' heartbeats must reach it)",
+    )
     keeper_port: int = _f("KEEPER_PORT", 8400, "port of the keeper", check=_port)
-    keeper_heartbeat_timeout: float = _f("KEEPER_HEARTBEAT_TIMEOUT", 3.0, "seconds without a job's "
-                                         "heartbeat before its call counts as lost (jobs beat "
-                                         "every second)", check=_positive)
-    keeper_dispatch_wait: float = _f("KEEPER_DISPATCH_WAIT", 5.0, "seconds a room with a caller "
-                                     "may wait for an agent before the keeper dispatches one "
-                                     "(and again every as many seconds until one joins)",
-                                     check=_positive)
-    agent_name: str = _f("AGENT_NAME", "", "agent name of the dispatches (empty: the workers "
-                         "without a name, as this project's are)")
+    keeper_heartbeat_timeout: float = _f(
+        "KEEPER_HEARTBEAT_TIMEOUT",
+        3.0,
+        "seconds without a job's heartbeat before its call counts as lost (jobs beat every second)",
+        check=_positive,
+    )
+    keeper_dispatch_wait: float = _f(
+        "KEEPER_DISPATCH_WAIT",
+        5.0,
+        "seconds a room with a caller "
+        "may wait for an agent before the keeper dispatches one "
+        "(and again every as many seconds until one joins)",
+        check=_positive,
+    )
+    agent_name: str = _f(
+        "AGENT_NAME",
+        "",
+        "agent name of the dispatches (empty: the workers without a name, as this project's are)",
+    )
     livekit_url: str | None = _f("LIVEKIT_URL", None, "LiveKit server whose rooms are kept")
-    livekit_api_key: str | None = _f("LIVEKIT_API_KEY", None, "API key (verifies webhooks and "
-                                     "heartbeats, signs dispatches)")
-    livekit_api_secret: str | None = _f("LIVEKIT_API_SECRET", None, "API secret (environment or "
-                                        ".env only)", flag=False)
+    livekit_api_key: str | None = _f(
+        "LIVEKIT_API_KEY", None, "API key (verifies webhooks and heartbeats, signs dispatches)"
+    )
+    livekit_api_secret: str | None = _f(
+        "LIVEKIT_API_SECRET", None, "API secret (environment or .env only)", flag=False
+    )
 
 
 def _convert(f, raw: str):
@@ -387,7 +589,9 @@ def _parse(f, raw: str, source: str = "the environment"):
         value = _convert(f, raw)
     except ValueError:
         kind = _kind(f).split(" ")[0]
-        raise SystemExit(f"voice-agent: error: {env}={raw!r} is not a valid {kind} (set in {source})") from None
+        raise SystemExit(
+            f"voice-agent: error: {env}={raw!r} is not a valid {kind} (set in {source})"
+        ) from None
     if (wrong := problem(f, value)) is not None:
         raise SystemExit(f"voice-agent: error: {env} (set in {source}): {wrong}")
     return value
@@ -401,8 +605,12 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type = Settings) -> None
             continue
         flag = "--" + f.name.replace("_", "-")
         if f.type in (bool, "bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=f"{f.metadata['help']} [{f.metadata['env']}]")  # --x / --no-x
+            parser.add_argument(
+                flag,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{f.metadata['help']} [{f.metadata['env']}]",
+            )  # --x / --no-x
         else:
             parser.add_argument(flag, default=None, help=f"{f.metadata['help']} [{f.metadata['env']}]",
                                 type=_argtype(f))  # fmt: skip

@@ -54,7 +54,9 @@ class PhoneCaller:
 
     def greeting(self, template: str) -> str:
         """The greeting with `{caller_number}` filled in (digits spoken one by one)."""
-        number = " ".join(self.phone_number.lstrip("+")) if self.phone_number else "an unknown number"
+        number = (
+            " ".join(self.phone_number.lstrip("+")) if self.phone_number else "an unknown number"
+        )
         return template.replace("{caller_number}", number)
 
     def instructions(self) -> str:
@@ -107,7 +109,11 @@ class PhoneCall:
         logger.info("DTMF %r from %s", digit, self.caller.identity)
         if (action := self.actions.get(digit)) is not None:
             self._send_digits()  # digits typed before the action reach the LLM first
-            self._spawn(self.hang_up(f"the caller pressed {digit}") if action == "hangup" else self.transfer())
+            self._spawn(
+                self.hang_up(f"the caller pressed {digit}")
+                if action == "hangup"
+                else self.transfer()
+            )
             return
         self._pending.append(digit)
         if self._flush is not None:
@@ -143,7 +149,9 @@ class PhoneCall:
                                    TRANSFER_TIMEOUT_S)  # fmt: skip
         except Exception as e:  # TwirpError (no SIP service, trunk refused), timeout
             error = f"{type(e).__name__}: {getattr(e, 'message', None) or e}"
-            logger.warning("transfer of %s to %s failed: %s", self.caller.identity, self.transfer_to, error)
+            logger.warning(
+                "transfer of %s to %s failed: %s", self.caller.identity, self.transfer_to, error
+            )
             self.session.say(TRANSFER_FAILED)
             return error
         return None

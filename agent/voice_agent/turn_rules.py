@@ -57,9 +57,13 @@ class RuleTurnDetector:
         return self._threshold
 
     async def supports_language(self, language) -> bool:
-        return language is None or str(language).lower().startswith("en")  # the word list is English
+        return language is None or str(language).lower().startswith(
+            "en"
+        )  # the word list is English
 
-    async def predict_end_of_turn(self, chat_ctx: llm.ChatContext, *, timeout: float | None = None) -> float:
+    async def predict_end_of_turn(
+        self, chat_ctx: llm.ChatContext, *, timeout: float | None = None
+    ) -> float:
         users = [m for m in chat_ctx.items if isinstance(m, llm.ChatMessage) and m.role == "user"]
         text = (users[-1].text_content or "") if users else ""
         return self._unfinished if sounds_unfinished(text) else self._finished

@@ -159,7 +159,7 @@ def parse_room(body: object) -> str | None:
     if body is None:
         return None
     if not isinstance(body, dict):
-        raise ValueError("the body must be a JSON object, e.g. {\"room\": \"my-room\"}")
+        raise ValueError('the body must be a JSON object, e.g. {"room": "my-room"}')
     unknown = set(body) - {"room"}
     if unknown:
         raise ValueError(f"unknown field(s): {', '.join(sorted(map(str, unknown)))}")
@@ -175,7 +175,9 @@ def parse_room(body: object) -> str | None:
 LIVEKIT_API = web.AppKey("livekit_api", api.LiveKitAPI)
 
 
-def create_app(settings: WebSettings, *, clock: Callable[[], float] = time.monotonic) -> web.Application:
+def create_app(
+    settings: WebSettings, *, clock: Callable[[], float] = time.monotonic
+) -> web.Application:
     """The web server's app; `clock` (seconds) drives the rate limiter."""
     check_settings(settings)
     browser_url = settings.web_livekit_url or settings.livekit_url
@@ -211,7 +213,8 @@ def create_app(settings: WebSettings, *, clock: Callable[[], float] = time.monot
             return None
         try:
             listed = await request.app[LIVEKIT_API].room.list_participants(
-                api.ListParticipantsRequest(room=room))
+                api.ListParticipantsRequest(room=room)
+            )
             participants = list(listed.participants)
         except api.ServerError as e:
             if e.code != api.ServerErrorCode.NOT_FOUND:  # not found: no room yet, nobody in it

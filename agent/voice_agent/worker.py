@@ -92,6 +92,7 @@ async def entrypoint(ctx: JobContext) -> None:
                             vad=vad, stt=ctx.proc.userdata["stt"], phone=caller is not None)  # fmt: skip
     TurnMetrics(session)  # one log line per turn, with LiveKit's per-turn latencies
     if (provider := ctx.proc.userdata.get("tracer_provider")) is not None:
+
         async def flush_traces(*_) -> None:  # the call's spans leave before the process may end
             await asyncio.to_thread(provider.force_flush)
 
@@ -111,9 +112,14 @@ async def entrypoint(ctx: JobContext) -> None:
         tools = [EndCallTool(), *call.tools()]
         logger.info("phone call %s from %r (trunk %r)", caller.call_id, caller.phone_number,
                     caller.trunk_phone_number)  # fmt: skip
-    record = CallRecord(ctx, session, keeper_url=settings.keeper_url)  # history in the room; heartbeats
-    await session.start(agent=VoiceAgent(instructions, tools, chat_context(record.resumed)), room=ctx.room,
-                        room_options=room_options(participant.identity, phone=caller is not None))
+    record = CallRecord(
+        ctx, session, keeper_url=settings.keeper_url
+    )  # history in the room; heartbeats
+    await session.start(
+        agent=VoiceAgent(instructions, tools, chat_context(record.resumed)),
+        room=ctx.room,
+        room_options=room_options(participant.identity, phone=caller is not None),
+    )
     record.start()
     ctx.add_shutdown_callback(record.aclose)
     if settings.worker_tag:  # which worker (host) serves this call, for operators and tests

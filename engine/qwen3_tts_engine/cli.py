@@ -118,7 +118,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from qwen3_tts_engine.serving.app import InsecureServerError, serve_forever
     from qwen3_tts_engine.serving.auth import exposure_problem
 
-    problem = exposure_problem(args.host, os.environ.get(API_KEY_ENV), os.environ.get(OPERATOR_KEY_ENV))
+    problem = exposure_problem(
+        args.host, os.environ.get(API_KEY_ENV), os.environ.get(OPERATOR_KEY_ENV)
+    )
     if problem and not args.insecure_no_auth:  # before a model loads
         print(f"qwen3-tts: error: {problem}", file=sys.stderr)
         return 2
@@ -218,7 +220,9 @@ def _say_remote(args: argparse.Namespace, req: SpeechRequest) -> tuple[dict, byt
     pcm, chunks, first = [], [], None
     t0 = time.perf_counter()
     url = args.server.rstrip("/") + "/v1/audio/speech"
-    with httpx.stream("POST", url, json=body, headers=headers, timeout=httpx.Timeout(600, connect=10)) as r:
+    with httpx.stream(
+        "POST", url, json=body, headers=headers, timeout=httpx.Timeout(600, connect=10)
+    ) as r:
         if r.status_code != 200:
             r.read()
             raise SystemExit(f"qwen3-tts: server answered {r.status_code}: {r.text}")
@@ -329,42 +333,106 @@ def _add_governor_options(s: argparse.ArgumentParser) -> None:
 
     d = Policy()
     g = s.add_argument_group("memory-pressure governor (docs/governor.md)")
-    g.add_argument("--ladder", default=",".join(d.ladder), action=_Given,
-                   help=f"variants from largest to smallest (default {','.join(d.ladder)}); "
-                   "without --variant the engine starts at the first")
+    g.add_argument(
+        "--ladder",
+        default=",".join(d.ladder),
+        action=_Given,
+        help=f"variants from largest to smallest (default {','.join(d.ladder)}); "
+        "without --variant the engine starts at the first",
+    )
     g.set_defaults(ladder_given=False)
-    g.add_argument("--downgrade-at", type=float, default=d.downgrade_at,
-                   help=f"used fraction of the memory limit that moves down (default {d.downgrade_at})")
-    g.add_argument("--upgrade-at", type=float, default=d.upgrade_at,
-                   help=f"used fraction below which it moves back up (default {d.upgrade_at})")
-    g.add_argument("--downgrade-hold", type=float, default=d.downgrade_hold_s, metavar="S",
-                   help=f"seconds above --downgrade-at before moving (default {d.downgrade_hold_s})")
-    g.add_argument("--upgrade-hold", type=float, default=d.upgrade_hold_s, metavar="S",
-                   help=f"seconds below --upgrade-at before moving (default {d.upgrade_hold_s})")
-    g.add_argument("--cooldown", type=float, default=d.cooldown_s, metavar="S",
-                   help=f"seconds after a swap before the next (default {d.cooldown_s})")
-    g.add_argument("--critical-at", type=float, default=d.critical_at,
-                   help=f"used fraction that moves down at once (default {d.critical_at})")
-    g.add_argument("--swap-mode", choices=MODES, default=d.mode,
-                   help="auto: make-before-break when both workers fit (default)")
-    g.add_argument("--drain-deadline", type=float, metavar="S",
-                   help="hard deadline for utterances on a swapped-out variant (default: none)")
-    g.add_argument("--memory-source", default="auto",
-                   choices=["auto", "cgroup-v2", "cgroup-v1", "system", "macos"])
-    g.add_argument("--governor-interval", type=float, default=1.0, metavar="S",
-                   help="seconds between memory readings (default 1.0)")
-    g.add_argument("--allow-unevaluated", metavar="VARIANTS",
-                   help="operator consent: put these quantized rungs (comma-separated, or 'all') "
-                   "on the ladder without a stored passing `qwen3-tts eval` report")
-    g.add_argument("--quality-budget", metavar="FILE",
-                   help="JSON/YAML budget a stored report must meet (default: eval's default budget)")
-    g.add_argument("--quality-min-items", type=int, default=6, metavar="N",
-                   help="fewest evaluated items a stored report needs (default 6)")
-    g.add_argument("--no-governor", action="store_true",
-                   help="no automatic swaps (POST /v1/engine/variant still works)")
-    g.add_argument("--spare-worker", action="store_true",
-                   help="keep a worker process started for the next swap (modules imported, no "
-                   "model; ~90 MB): a swap under load then takes less CPU from the voices speaking")
+    g.add_argument(
+        "--downgrade-at",
+        type=float,
+        default=d.downgrade_at,
+        help=f"used fraction of the memory limit that moves down (default {d.downgrade_at})",
+    )
+    g.add_argument(
+        "--upgrade-at",
+        type=float,
+        default=d.upgrade_at,
+        help=f"used fraction below which it moves back up (default {d.upgrade_at})",
+    )
+    g.add_argument(
+        "--downgrade-hold",
+        type=float,
+        default=d.downgrade_hold_s,
+        metavar="S",
+        help=f"seconds above --downgrade-at before moving (default {d.downgrade_hold_s})",
+    )
+    g.add_argument(
+        "--upgrade-hold",
+        type=float,
+        default=d.upgrade_hold_s,
+        metavar="S",
+        help=f"seconds below --upgrade-at before moving (default {d.upgrade_hold_s})",
+    )
+    g.add_argument(
+        "--cooldown",
+        type=float,
+        default=d.cooldown_s,
+        metavar="S",
+        help=f"seconds after a swap before the next (default {d.cooldown_s})",
+    )
+    g.add_argument(
+        "--critical-at",
+        type=float,
+        default=d.critical_at,
+        help=f"used fraction that moves down at once (default {d.critical_at})",
+    )
+    g.add_argument(
+        "--swap-mode",
+        choices=MODES,
+        default=d.mode,
+        help="auto: make-before-break when both workers fit (default)",
+    )
+    g.add_argument(
+        "--drain-deadline",
+        type=float,
+        metavar="S",
+        help="hard deadline for utterances on a swapped-out variant (default: none)",
+    )
+    g.add_argument(
+        "--memory-source",
+        default="auto",
+        choices=["auto", "cgroup-v2", "cgroup-v1", "system", "macos"],
+    )
+    g.add_argument(
+        "--governor-interval",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="seconds between memory readings (default 1.0)",
+    )
+    g.add_argument(
+        "--allow-unevaluated",
+        metavar="VARIANTS",
+        help="operator consent: put these quantized rungs (comma-separated, or 'all') "
+        "on the ladder without a stored passing `qwen3-tts eval` report",
+    )
+    g.add_argument(
+        "--quality-budget",
+        metavar="FILE",
+        help="JSON/YAML budget a stored report must meet (default: eval's default budget)",
+    )
+    g.add_argument(
+        "--quality-min-items",
+        type=int,
+        default=6,
+        metavar="N",
+        help="fewest evaluated items a stored report needs (default 6)",
+    )
+    g.add_argument(
+        "--no-governor",
+        action="store_true",
+        help="no automatic swaps (POST /v1/engine/variant still works)",
+    )
+    g.add_argument(
+        "--spare-worker",
+        action="store_true",
+        help="keep a worker process started for the next swap (modules imported, no "
+        "model; ~90 MB): a swap under load then takes less CPU from the voices speaking",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -416,81 +484,150 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("out")
     # --kind: the checkpoint's model type (everywhere else --variant is a precision); the old
     # spelling still works
-    t.add_argument("--kind", "--variant", dest="variant", default="custom_voice",
-                   choices=["custom_voice", "base", "voice_design"],
-                   help="model type: CustomVoice (preset speakers), Base (cloning), VoiceDesign")
+    t.add_argument(
+        "--kind",
+        "--variant",
+        dest="variant",
+        default="custom_voice",
+        choices=["custom_voice", "base", "voice_design"],
+        help="model type: CustomVoice (preset speakers), Base (cloning), VoiceDesign",
+    )
     t.add_argument("--bits", type=int, choices=[4, 6, 8])
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--eos", choices=["text", "never", "random"], default="text",
-                   help="how utterances end: by EOS after about one frame per text token (text), "
-                        "only at --max-new-tokens (never), or when sampling picks EOS (random); "
-                        "in-context cloning (ref_audio + ref_text) ends at once with text")
+    t.add_argument(
+        "--eos",
+        choices=["text", "never", "random"],
+        default="text",
+        help="how utterances end: by EOS after about one frame per text token (text), "
+        "only at --max-new-tokens (never), or when sampling picks EOS (random); "
+        "in-context cloning (ref_audio + ref_text) ends at once with text",
+    )
     t.set_defaults(fn=cmd_tiny_checkpoint)
 
     s = sub.add_parser("serve", help="run the engine server")
     s.add_argument("--model", help="hub id or local checkpoint (default: a tiny random one)")
-    s.add_argument("--variant", action="append", help="variant to load (repeat for several; "
-                   "the first serves by default): bf16, 8bit, 6bit, 4bit, talker-mlp-w4, ...")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on; any but loopback "
-                   f"needs {API_KEY_ENV} (or --insecure-no-auth)")
+    s.add_argument(
+        "--variant",
+        action="append",
+        help="variant to load (repeat for several; "
+        "the first serves by default): bf16, 8bit, 6bit, 4bit, talker-mlp-w4, ...",
+    )
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help=f"address to listen on; any but loopback needs {API_KEY_ENV} (or --insecure-no-auth)",
+    )
     s.add_argument("--port", type=int, default=8880)
-    s.add_argument("--insecure-no-auth", action="store_true",
-                   help=f"listen on a non-loopback --host without {API_KEY_ENV}: anyone who can "
-                   "reach the port may synthesize and read the status (warned at every start)")
+    s.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help=f"listen on a non-loopback --host without {API_KEY_ENV}: anyone who can "
+        "reach the port may synthesize and read the status (warned at every start)",
+    )
     s.add_argument("--ref-audio-dir", help="folder whose files ref_audio may name")
     s.add_argument("--max-queue", type=int, default=32)
-    s.add_argument("--max-sessions", type=_positive_int, default=256, metavar="N",
-                   help="WebSocket sessions open at once; more get 429 with Retry-After at the "
-                        "upgrade (default 256)")
-    s.add_argument("--ws-first-text-timeout", type=float, default=30.0, metavar="S",
-                   help="a WebSocket session's first text is due within S seconds of its start, "
-                        "or it ends with a 408 error event (default 30)")
-    s.add_argument("--ws-idle-timeout", type=float, default=60.0, metavar="S",
-                   help="while a session's text is open, its next message is due within S "
-                        "seconds, or it ends with a 408 error event (default 60)")
-    s.add_argument("--max-batch", type=_positive_int, default=DEFAULT_MAX_BATCH, metavar="N",
-                   help="syntheses one worker runs together (continuous batching); more wait "
-                        f"in its queue (default {DEFAULT_MAX_BATCH})")
-    s.add_argument("--frame-budget-ms", type=_frame_budget, default=os.environ.get(BUDGET_ENV, "80"),
-                   metavar="MS|off", help="admit a stream only while a batch step stays under this "
-                   "(a frame plays for 80 ms); fewer streams than --max-batch run where steps are "
-                   f"slower, the rest queue (docs/fleet.md). 'off': --max-batch streams. Default "
-                   f"${BUDGET_ENV} or 80")
-    s.add_argument("--fault-step-delay-ms", type=float, default=0.0, metavar="MS",
-                   help="fault injection: every batch step sleeps MS per stream in it, as on a "
-                   "slower host (drills and tests of the real-time admission)")
-    s.add_argument("--compute-dtype", choices=COMPUTE_CHOICES, default="auto",
-                   help="what the talker computes in (default auto: float32 on mlx's CPU backend, "
-                   "where its matmuls run on BLAS (the real 0.6B talker's step 1.6x faster "
-                   "alone and 4x at 8 streams than in bfloat16) at twice the memory of "
-                   "bfloat16 weights for the talker; its weights' own dtype on a Mac or GPU. "
-                   "weights: always the weights' dtype)")
+    s.add_argument(
+        "--max-sessions",
+        type=_positive_int,
+        default=256,
+        metavar="N",
+        help="WebSocket sessions open at once; more get 429 with Retry-After at the "
+        "upgrade (default 256)",
+    )
+    s.add_argument(
+        "--ws-first-text-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a WebSocket session's first text is due within S seconds of its start, "
+        "or it ends with a 408 error event (default 30)",
+    )
+    s.add_argument(
+        "--ws-idle-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="while a session's text is open, its next message is due within S "
+        "seconds, or it ends with a 408 error event (default 60)",
+    )
+    s.add_argument(
+        "--max-batch",
+        type=_positive_int,
+        default=DEFAULT_MAX_BATCH,
+        metavar="N",
+        help="syntheses one worker runs together (continuous batching); more wait "
+        f"in its queue (default {DEFAULT_MAX_BATCH})",
+    )
+    s.add_argument(
+        "--frame-budget-ms",
+        type=_frame_budget,
+        default=os.environ.get(BUDGET_ENV, "80"),
+        metavar="MS|off",
+        help="admit a stream only while a batch step stays under this "
+        "(a frame plays for 80 ms); fewer streams than --max-batch run where steps are "
+        f"slower, the rest queue (docs/fleet.md). 'off': --max-batch streams. Default "
+        f"${BUDGET_ENV} or 80",
+    )
+    s.add_argument(
+        "--fault-step-delay-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="fault injection: every batch step sleeps MS per stream in it, as on a "
+        "slower host (drills and tests of the real-time admission)",
+    )
+    s.add_argument(
+        "--compute-dtype",
+        choices=COMPUTE_CHOICES,
+        default="auto",
+        help="what the talker computes in (default auto: float32 on mlx's CPU backend, "
+        "where its matmuls run on BLAS (the real 0.6B talker's step 1.6x faster "
+        "alone and 4x at 8 streams than in bfloat16) at twice the memory of "
+        "bfloat16 weights for the talker; its weights' own dtype on a Mac or GPU. "
+        "weights: always the weights' dtype)",
+    )
     s.add_argument("--max-input-chars", type=int, default=4000)
     # a string default goes through `type`: a bad environment value is refused like a bad flag
-    s.add_argument("--text-start-tokens", type=_text_start_tokens, metavar="N",
-                   default=os.environ.get(TEXT_START_TOKENS_ENV, str(DEFAULT_TEXT_START_TOKENS)),
-                   help="streamed text: text tokens committed before the first frame, 1-"
-                   f"{MAX_TEXT_START_TOKENS} (default ${TEXT_START_TOKENS_ENV} or "
-                   f"{DEFAULT_TEXT_START_TOKENS}; docs/engine-api.md)")
-    s.add_argument("--text-pace", type=_text_pace, metavar="P",
-                   default=os.environ.get(TEXT_PACE_ENV, str(DEFAULT_TEXT_PACE)),
-                   help=f"dual-track: text tokens fed per frame at most, {MIN_TEXT_PACE}-1 (default "
-                   f"${TEXT_PACE_ENV} or {DEFAULT_TEXT_PACE}: the reference code's one per frame)")
-    s.add_argument("--voice-alias", action=_VoiceAlias, metavar="NAME=VOICE",
-                   help="a voice name requests may use for one of the model's voices (repeatable; "
-                   "OpenAI's names are mapped by default, e.g. alloy=vivian, echo=aiden)")
+    s.add_argument(
+        "--text-start-tokens",
+        type=_text_start_tokens,
+        metavar="N",
+        default=os.environ.get(TEXT_START_TOKENS_ENV, str(DEFAULT_TEXT_START_TOKENS)),
+        help="streamed text: text tokens committed before the first frame, 1-"
+        f"{MAX_TEXT_START_TOKENS} (default ${TEXT_START_TOKENS_ENV} or "
+        f"{DEFAULT_TEXT_START_TOKENS}; docs/engine-api.md)",
+    )
+    s.add_argument(
+        "--text-pace",
+        type=_text_pace,
+        metavar="P",
+        default=os.environ.get(TEXT_PACE_ENV, str(DEFAULT_TEXT_PACE)),
+        help=f"dual-track: text tokens fed per frame at most, {MIN_TEXT_PACE}-1 (default "
+        f"${TEXT_PACE_ENV} or {DEFAULT_TEXT_PACE}: the reference code's one per frame)",
+    )
+    s.add_argument(
+        "--voice-alias",
+        action=_VoiceAlias,
+        metavar="NAME=VOICE",
+        help="a voice name requests may use for one of the model's voices (repeatable; "
+        "OpenAI's names are mapped by default, e.g. alloy=vivian, echo=aiden)",
+    )
     _add_governor_options(s)
     s.set_defaults(fn=cmd_serve)
 
     v = sub.add_parser("variant", help="show the memory governor, or swap the served variant")
-    v.add_argument("name", nargs="?", metavar="VARIANT",
-                   help='variant to swap to (pinned), or "auto" to let the governor decide; '
-                   "omit to print the governor's status")
+    v.add_argument(
+        "name",
+        nargs="?",
+        metavar="VARIANT",
+        help='variant to swap to (pinned), or "auto" to let the governor decide; '
+        "omit to print the governor's status",
+    )
     v.add_argument("--server", required=True, help="engine URL, e.g. http://127.0.0.1:8880")
-    v.add_argument("--mode", choices=["auto", "make-before-break", "break-before-make"],
-                   default="auto")
-    v.add_argument("--no-pin", action="store_true",
-                   help="let the governor move away from it again")
+    v.add_argument(
+        "--mode", choices=["auto", "make-before-break", "break-before-make"], default="auto"
+    )
+    v.add_argument("--no-pin", action="store_true", help="let the governor move away from it again")
     v.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the swap")
     v.add_argument("--json", action="store_true")
     v.set_defaults(fn=cmd_variant)
@@ -514,8 +651,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model")
     d.add_argument("--text", default="Hello! This is the Qwen3 TTS engine, streaming in chunks.")
     d.add_argument("--out", default="out/demo.wav")
-    d.add_argument("--max-new-tokens", type=int, help="frame cap (default: from the text; 25 "
-                   "for the tiny random checkpoint)")
+    d.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="frame cap (default: from the text; 25 for the tiny random checkpoint)",
+    )
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=cmd_demo)
 
@@ -523,46 +663,85 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_parsers(sub)
 
-    b = sub.add_parser("bench", help="benchmarks (JSON): engine (default), swap, spawn, formats, "
-                       "concurrency, blas or first-chunk")
-    b.add_argument("what", nargs="?", choices=["engine", "swap", "spawn", "formats", "concurrency", "blas",
-                                                 "first-chunk"],
-                   default="engine",
-                   help="engine: per-variant latency and memory; swap: governor swap latency, "
-                   "audio gap and memory in both swap modes; spawn: a worker's start-up cost "
-                   "besides loading weights; formats: first byte and encode cost per response "
-                   "format, as ratios to pcm; concurrency: many streams on one model "
-                   "(continuous batching): first audio, real-time factor and frames/s per level; blas: "
-                   "first audio of `serve` started from a clean environment vs with OpenBLAS "
-                   "preloaded, and the BLAS each worker runs; first-chunk: first audio and seams "
-                   "with a 1-, 2- and 4-frame first chunk, sentence and streamed text")
+    b = sub.add_parser(
+        "bench",
+        help="benchmarks (JSON): engine (default), swap, spawn, formats, "
+        "concurrency, blas or first-chunk",
+    )
+    b.add_argument(
+        "what",
+        nargs="?",
+        choices=["engine", "swap", "spawn", "formats", "concurrency", "blas", "first-chunk"],
+        default="engine",
+        help="engine: per-variant latency and memory; swap: governor swap latency, "
+        "audio gap and memory in both swap modes; spawn: a worker's start-up cost "
+        "besides loading weights; formats: first byte and encode cost per response "
+        "format, as ratios to pcm; concurrency: many streams on one model "
+        "(continuous batching): first audio, real-time factor and frames/s per level; blas: "
+        "first audio of `serve` started from a clean environment vs with OpenBLAS "
+        "preloaded, and the BLAS each worker runs; first-chunk: first audio and seams "
+        "with a 1-, 2- and 4-frame first chunk, sentence and streamed text",
+    )
     b.add_argument("--variants", default="bf16,8bit,6bit,4bit,talker-mlp-w4")
     b.add_argument("--model", help="checkpoint (default: a tiny random one)")
     b.add_argument("--repeats", type=int, default=5)
-    b.add_argument("--frames", type=_positive_int, default=None,
-                   help="frames per request (engine: default 8, first audio and one more chunk; "
-                        "concurrency: default 32; first-chunk: the cap per sentence, default 48)")
-    b.add_argument("--streams", type=_client_levels, default=(1, 2, 4, 8),
-                   help="concurrency: levels, comma-separated (default 1,2,4,8)")
-    b.add_argument("--compute-dtype", choices=COMPUTE_CHOICES, default="auto",
-                   help="concurrency: what the talker computes in (as `serve`; default auto)")
-    b.add_argument("--real-size", action="store_true",
-                   help="concurrency: the real 0.6B architecture with random weights (written "
-                   "to the cache once, ~2.5 GB) instead of --model")
-    b.add_argument("--codes-only", action="store_true",
-                   help="concurrency: the codes paths only (no vocoder, no server; for a "
-                   "real-size model on a CPU, whose vocoder takes seconds per chunk)")
-    b.add_argument("--no-http", action="store_true",
-                   help="concurrency: in-process paths only (no server)")
-    b.add_argument("--clients", type=_client_levels, default=(1, 2, 4),
-                   help="engine: concurrency levels, comma-separated (default 1,2,4)")
-    b.add_argument("--plain-loads", type=_positive_int, default=2,
-                   help="swap: plain loads per variant whose median is the reference (default 2)")
-    b.add_argument("--real-size-memory", action="store_true",
-                   help="also build the real 0.6B architecture (random weights) per variant")
-    b.add_argument("--tokens-per-s", type=float, default=40.0,
-                   help="first-chunk: how fast the simulated LLM writes ~3-character pieces "
-                   "(default 40)")
+    b.add_argument(
+        "--frames",
+        type=_positive_int,
+        default=None,
+        help="frames per request (engine: default 8, first audio and one more chunk; "
+        "concurrency: default 32; first-chunk: the cap per sentence, default 48)",
+    )
+    b.add_argument(
+        "--streams",
+        type=_client_levels,
+        default=(1, 2, 4, 8),
+        help="concurrency: levels, comma-separated (default 1,2,4,8)",
+    )
+    b.add_argument(
+        "--compute-dtype",
+        choices=COMPUTE_CHOICES,
+        default="auto",
+        help="concurrency: what the talker computes in (as `serve`; default auto)",
+    )
+    b.add_argument(
+        "--real-size",
+        action="store_true",
+        help="concurrency: the real 0.6B architecture with random weights (written "
+        "to the cache once, ~2.5 GB) instead of --model",
+    )
+    b.add_argument(
+        "--codes-only",
+        action="store_true",
+        help="concurrency: the codes paths only (no vocoder, no server; for a "
+        "real-size model on a CPU, whose vocoder takes seconds per chunk)",
+    )
+    b.add_argument(
+        "--no-http", action="store_true", help="concurrency: in-process paths only (no server)"
+    )
+    b.add_argument(
+        "--clients",
+        type=_client_levels,
+        default=(1, 2, 4),
+        help="engine: concurrency levels, comma-separated (default 1,2,4)",
+    )
+    b.add_argument(
+        "--plain-loads",
+        type=_positive_int,
+        default=2,
+        help="swap: plain loads per variant whose median is the reference (default 2)",
+    )
+    b.add_argument(
+        "--real-size-memory",
+        action="store_true",
+        help="also build the real 0.6B architecture (random weights) per variant",
+    )
+    b.add_argument(
+        "--tokens-per-s",
+        type=float,
+        default=40.0,
+        help="first-chunk: how fast the simulated LLM writes ~3-character pieces (default 40)",
+    )
     b.add_argument("--out", help="also write the JSON here")
     b.set_defaults(fn=cmd_bench)
     return p

@@ -43,7 +43,9 @@ class EngineConfig:
     options, and the governor (None: none runs, as in the benchmarks)."""
 
     model: str
-    variants: Sequence[str | None] = (None,)  # loaded at start; the first serves (None: the model's own)
+    variants: Sequence[str | None] = (
+        None,
+    )  # loaded at start; the first serves (None: the model's own)
     max_batch: int = DEFAULT_MAX_BATCH
     max_queue: int = 32
     compute_dtype: str | None = None  # None: the weights' dtype; "auto": float32 on a CPU

@@ -59,7 +59,11 @@ def environment_for_child(env: dict[str, str] | None = None) -> dict[str, str]:
     """`env` (default: this process's) with OpenBLAS preloaded, for a child that runs mlx code we
     do not own (`mlx_lm.server`)."""
     env = dict(os.environ if env is None else env)
-    path = openblas_path() if sys.platform.startswith("linux") and env.get(ENV) != "reference" else None
+    path = (
+        openblas_path()
+        if sys.platform.startswith("linux") and env.get(ENV) != "reference"
+        else None
+    )
     if path and "openblas" not in env.get("LD_PRELOAD", ""):
         env["LD_PRELOAD"] = ":".join(p for p in (path, env.get("LD_PRELOAD")) if p)
     return env

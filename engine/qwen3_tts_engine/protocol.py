@@ -101,7 +101,9 @@ OPENAI_VOICE_ALIASES = {
 # The error code of a 429 from an engine that cannot take a request in time (its batch is at its
 # real-time slots and its queue at its bound): try another engine, or this one after Retry-After.
 ENGINE_FULL = "engine_full"
-MAX_ERROR_CHARS = 500  # an error message quotes what it refuses, cut to this (input may be megabytes)
+MAX_ERROR_CHARS = (
+    500  # an error message quotes what it refuses, cut to this (input may be megabytes)
+)
 
 
 class RequestError(ValueError):
@@ -431,7 +433,9 @@ class LoadReport:
     running: int  # streams admitted and not finished (every handler)
     waiting: int  # requests queued, not yet admitted
     max_batch: int  # configured batch rows of the serving handler
-    slots: int  # streams kept in real time now (measured step time vs the frame budget), 1..max_batch
+    slots: (
+        int  # streams kept in real time now (measured step time vs the frame budget), 1..max_batch
+    )
     free_slots: int  # max(0, slots - running - waiting); 0 unless serving
     accepting: bool  # takes new requests (serving, or holding them through a swap)
     state: str  # LOAD_STATES

@@ -33,7 +33,9 @@ def make_env(tmp_path):
 
     def make(**extra: str) -> dict[str, str]:
         names = {f.metadata["env"] for f in fields(Settings)}
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LIVEKIT_") and k not in names}
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith("LIVEKIT_") and k not in names
+        }
         marks.append(uuid.uuid4().hex)
         env.update(HF_HUB_OFFLINE="1", LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE="0",
                    VOICE_AGENT_CACHE=str(tmp_path / "cache"), TTS_PORT=str(free_port()),
@@ -47,7 +49,9 @@ def make_env(tmp_path):
             proc.kill()
 
 
-def _run(args: list[str], env: dict[str, str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
+def _run(
+    args: list[str], env: dict[str, str], cwd: Path, timeout: float = 120
+) -> subprocess.CompletedProcess:
     """Run `voice-agent` in `cwd` (a folder with no .env)."""
     return subprocess.run([EXE, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
@@ -146,8 +150,9 @@ def _tone_wav(path: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["demo", "start"])
-def test_a_failing_llm_stops_the_engine_started_before_it(tmp_path, make_env, tiny_checkpoint,
-                                                          command):
+def test_a_failing_llm_stops_the_engine_started_before_it(
+    tmp_path, make_env, tiny_checkpoint, command
+):
     """The TTS engine starts, then mlx_lm.server cannot bind its port (something that never
     answers holds it): the command says so and exits, and the engine is gone with it."""
     with socket.socket() as lk, socket.socket() as squatter:
@@ -162,7 +167,9 @@ def test_a_failing_llm_stops_the_engine_started_before_it(tmp_path, make_env, ti
         args = ["demo", str(_tone_wav(tmp_path / "turn.wav"))] if command == "demo" else ["start"]
         p = _run(args, env, tmp_path, timeout=300)
     cache = Path(env["VOICE_AGENT_CACHE"])
-    _clear_error(p, "mlx_lm.server", "exited with code", str(cache / f"mlx-lm-server-{env['LLM_PORT']}.log"))
+    _clear_error(
+        p, "mlx_lm.server", "exited with code", str(cache / f"mlx-lm-server-{env['LLM_PORT']}.log")
+    )
     assert (cache / f"tts-engine-{env['TTS_PORT']}.log").is_file()  # the engine did start
     assert _none_left(env[MARK]) == [], "a process of the run outlived it"
     with socket.socket() as s:  # and its port is free again

@@ -43,7 +43,7 @@ def _engines(port: int) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "serve" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1:][:1] == [str(port)]:
+        if "serve" in cmd and "--port" in cmd and cmd[cmd.index("--port") + 1 :][:1] == [str(port)]:
             found.append(p)
     return found
 
@@ -89,7 +89,9 @@ def test_two_workers_share_one_engine_that_outlives_its_starter(livekit_server, 
     def alive() -> str | None:
         for tag, proc in workers.items():
             if proc.poll() is not None and tag not in stopped:
-                return f"worker {tag} exited with {proc.returncode}:\n{logs[tag].read_text()[-3000:]}"
+                return (
+                    f"worker {tag} exited with {proc.returncode}:\n{logs[tag].read_text()[-3000:]}"
+                )
         return None
 
     stopped: set[str] = set()
@@ -108,7 +110,9 @@ def test_two_workers_share_one_engine_that_outlives_its_starter(livekit_server, 
         _stop_worker(workers["a"])  # the worker that started the engine exits
         assert workers["a"].returncode == 0, logs["a"].read_text()[-3000:]
         assert workers["b"].poll() is None
-        assert engine.is_running() and _engines(tts_port) == [engine], "the engine went with worker a"
+        assert engine.is_running() and _engines(tts_port) == [engine], (
+            "the engine went with worker a"
+        )
         assert _speaks(tts_port), "worker b's engine does not speak after worker a exited"
 
         stopped.add("b")

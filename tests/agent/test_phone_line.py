@@ -63,7 +63,9 @@ def test_the_phone_line_is_narrowband_mu_law_and_cached(tmp_path, monkeypatch):
         phone_line_wav(tmp_path / "missing.wav")
 
 
-async def test_phone_line_speech_keeps_its_words_and_its_end_of_speech(bundled_path, tmp_path, monkeypatch):
+async def test_phone_line_speech_keeps_its_words_and_its_end_of_speech(
+    bundled_path, tmp_path, monkeypatch
+):
     """Word error on ten sentences, wideband and phone line, with the agent's own STT (beam 5)
     and VAD; the phone line may cost some words but not the sense of the set."""
     from livekit.plugins import faster_whisper, silero
@@ -84,13 +86,18 @@ async def test_phone_line_speech_keeps_its_words_and_its_end_of_speech(bundled_p
             ends.append(await _vad_end_of_speech(vad, samples))
         report[kind] = {"wer": round(float(np.mean(errors)), 3), "vad_end_s": ends}
     await stt.aclose()
-    shift = [p - w for p, w in zip(report["phone"]["vad_end_s"], report["wideband"]["vad_end_s"], strict=True)]
+    shift = [
+        p - w
+        for p, w in zip(report["phone"]["vad_end_s"], report["wideband"]["vad_end_s"], strict=True)
+    ]
     report["vad_end_shift_s_max"] = round(max(map(abs, shift)), 3)
     print(json.dumps({"phone_line_vs_wideband": report}))
     assert report["wideband"]["wer"] <= 0.25, report
     assert report["phone"]["wer"] <= report["wideband"]["wer"] + 0.2, report
     assert all(e is not None for k in ("wideband", "phone") for e in report[k]["vad_end_s"]), report
-    assert report["vad_end_shift_s_max"] <= 0.2, report  # Silero ends the phone speech where it ends the wideband one
+    assert report["vad_end_shift_s_max"] <= 0.2, (
+        report
+    )  # Silero ends the phone speech where it ends the wideband one
 
 
 async def _vad_end_of_speech(vad, samples: np.ndarray) -> float | None:

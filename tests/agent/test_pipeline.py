@@ -64,7 +64,10 @@ async def test_turn_with_tool_call_end_to_end(engine):
     assert [s["text_mode"] for s in syntheses] == ["dual"] * len(syntheses), syntheses
     engine_samples = sum(s["frames"] for s in syntheses) * 1920
     assert engine_samples > 0
-    assert 0 <= len(report.reply_audio) - engine_samples <= SEGMENT_MARKER, (len(report.reply_audio), engine_samples)
+    assert 0 <= len(report.reply_audio) - engine_samples <= SEGMENT_MARKER, (
+        len(report.reply_audio),
+        engine_samples,
+    )
     # LiveKit's per-turn metrics are there
     for name in ("end_of_turn_delay_s", "transcription_delay_s", "llm_ttft_s", "tts_ttfb_s",
                  "e2e_latency_s", "voice_to_voice_s", "stt_s"):  # fmt: skip
@@ -182,7 +185,9 @@ async def test_a_turn_without_a_reply_times_out_with_what_happened(engine):
     quiet = np.zeros(48000, np.int16)  # one second of silence: nobody speaks, nobody answers
     try:
         with pytest.raises(TimeoutError) as e:
-            await run_turns(settings, [quiet], tts_url=settings.tts_url, llm_url=llm.url, turn_timeout=2)
+            await run_turns(
+                settings, [quiet], tts_url=settings.tts_url, llm_url=llm.url, turn_timeout=2
+            )
     finally:
         await llm.stop()
     message = str(e.value)

@@ -60,7 +60,9 @@ def make_env(shared_cache, tiny_tts):
 
     def make(**extra: str) -> dict[str, str]:
         names = {f.metadata["env"] for f in fields(Settings)}
-        env = {k: v for k, v in os.environ.items() if not k.startswith("LIVEKIT_") and k not in names}
+        env = {
+            k: v for k, v in os.environ.items() if not k.startswith("LIVEKIT_") and k not in names
+        }
         marks.append(uuid.uuid4().hex)
         env.update(HF_HUB_OFFLINE="1", LIVEKIT_AGENTS_PRELOAD_LOCAL_INFERENCE="0",
                    VOICE_AGENT_CACHE=str(shared_cache), TTS_PORT=str(free_port()),
@@ -128,7 +130,9 @@ def _port_free(port: int) -> bool:
             return False
 
 
-def _assert_nothing_left(env: dict[str, str], ports: tuple[str, ...] = ("TTS_PORT", "LLM_PORT")) -> None:
+def _assert_nothing_left(
+    env: dict[str, str], ports: tuple[str, ...] = ("TTS_PORT", "LLM_PORT")
+) -> None:
     left = _none_left(env[MARK])
     assert left == [], f"processes of the run outlived it: {_describe(left)}"
     for name in ports:
@@ -200,7 +204,9 @@ def test_a_signal_during_start_up_stops_every_service(tmp_path, make_env, sig, p
         # quiet: each random-model notice once, no LiveKit deprecation warning per turn
         assert p.stderr.count("RANDOM weights") == 2, p.stderr[-3000:]
         assert "deprecated" not in p.stderr, p.stderr[-3000:]
-        assert "Unclosed" not in p.stderr, p.stderr[-3000:]  # the plugin's sockets closed with the run
+        assert "Unclosed" not in p.stderr, p.stderr[
+            -3000:
+        ]  # the plugin's sockets closed with the run
         (turn,) = json.loads(p.stdout)["turns"]
         assert turn["voice_to_voice_s"] is not None
         _assert_nothing_left(env)
@@ -296,7 +302,9 @@ def test_our_own_llm_server_is_reused_with_its_model(tmp_path, make_env, shared_
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))  # fmt: skip
             report = json.loads(_until(users[-1].stdout.readline, "ensure_llm", proc=users[-1]))
             assert report == {"started": len(users) == 1, "model": str(model)}
-        if sys.platform.startswith("linux"):  # mlx on the CPU: the server got OpenBLAS (fast_blas.py)
+        if sys.platform.startswith(
+            "linux"
+        ):  # mlx on the CPU: the server got OpenBLAS (fast_blas.py)
             (server,) = [p for p in psutil.process_iter(["cmdline"])
                          if "mlx_lm.server" in (p.info["cmdline"] or []) and port in p.info["cmdline"]]  # fmt: skip
             assert "libopenblas" in Path(f"/proc/{server.pid}/maps").read_text()

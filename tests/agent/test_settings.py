@@ -95,11 +95,15 @@ def test_readme_tables_are_the_generated_ones(cls):
     found = []
     for m in re.finditer(r"^( *)" + re.escape(table[0]) + r"\n", readme, re.M):
         indent, lines = m.group(1), []
-        for line in readme[m.start():].splitlines():
+        for line in readme[m.start() :].splitlines():
             if not line.startswith(indent + "|"):
                 break
-            lines.append(line[len(indent):])
+            lines.append(line[len(indent) :])
         if len(lines) > 2 and lines[2].split("|")[1] == table[2].split("|")[1]:
             found.append(lines)
-    assert len(found) == 1, f"expected one table for {cls.__name__} in {CONFIG_DOC.name}, found {len(found)}"
-    assert found[0] == table, "docs/configuration.md's table differs from markdown_table(): regenerate it"
+    assert len(found) == 1, (
+        f"expected one table for {cls.__name__} in {CONFIG_DOC.name}, found {len(found)}"
+    )
+    assert found[0] == table, (
+        "docs/configuration.md's table differs from markdown_table(): regenerate it"
+    )

@@ -81,7 +81,9 @@ def _decisions(exporter) -> list[tuple[float, float]]:
 
 
 async def test_a_pause_mid_sentence_does_not_end_the_turn(engine, spans):
-    settings = Settings(tts_url=f"http://127.0.0.1:{engine.port}", llm_model="scripted", offline=True)
+    settings = Settings(
+        tts_url=f"http://127.0.0.1:{engine.port}", llm_model="scripted", offline=True
+    )
     assert settings.turn_detector == "rule" and settings.preemptive_generation  # the defaults
     chat = await ScriptedChatServer(use_tool=False, echo=True).start()
     turns = [load_turn_audio(speech_wav("What is the capital of France?", sample_rate=RATE)),
@@ -129,12 +131,16 @@ async def test_preemptive_generation_redoes_a_reply_whose_transcript_changed(eng
 
     async def a_preemptive_request(_part: int) -> None:
         try:  # a hang guard: the request follows the final transcript at once
-            await asyncio.wait_for(chat.request_where(lambda body: last_user_text(body).strip() != ""), 120)
+            await asyncio.wait_for(
+                chat.request_where(lambda body: last_user_text(body).strip() != ""), 120
+            )
         except TimeoutError:
             raise AssertionError("no LLM request for the words before the pause, while the turn "
                                  "was held open: no preemptive generation") from None  # fmt: skip
 
-    speech = InParts([_speech("Please remind me to call"), _speech("my mother at six.")], a_preemptive_request)
+    speech = InParts(
+        [_speech("Please remind me to call"), _speech("my mother at six.")], a_preemptive_request
+    )
     try:
         (report,) = await run_turns(settings, [speech], tts_url=settings.tts_url, llm_url=chat.url,
                                     turn_timeout=180)  # fmt: skip
@@ -146,7 +152,10 @@ async def test_preemptive_generation_redoes_a_reply_whose_transcript_changed(eng
     first, whole = lasts[0], lasts[-1]
     # the first request: the words before the pause only; the last: the whole transcript
     assert first and "mother" not in first.lower(), lasts
-    assert whole == report.transcript and whole.startswith(first) and len(whole) > len(first), (report, lasts)
+    assert whole == report.transcript and whole.startswith(first) and len(whole) > len(first), (
+        report,
+        lasts,
+    )
     assert "mother" in whole.lower(), lasts
     # the reply spoken answers the whole transcript, i.e. comes from the last request
     assert report.reply_text.split() == chat.answer_to(chat.requests[-1]).split(), (report, lasts)

@@ -26,8 +26,14 @@ def _listening(pid: int, port: int) -> list[str]:
 
 def test_web_listens_on_loopback_only_by_default(tmp_path):
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not (k.startswith("LIVEKIT_") or k.startswith("WEB_"))}
-    env.update(LIVEKIT_URL="ws://127.0.0.1:7880", LIVEKIT_API_KEY="devkey", LIVEKIT_API_SECRET=SECRET)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not (k.startswith("LIVEKIT_") or k.startswith("WEB_"))
+    }
+    env.update(
+        LIVEKIT_URL="ws://127.0.0.1:7880", LIVEKIT_API_KEY="devkey", LIVEKIT_API_SECRET=SECRET
+    )
     log = tmp_path / "web.log"
     with open(log, "wb") as fh:  # cwd: no .env; no LiveKit server runs: none is needed to serve
         proc = subprocess.Popen([EXE, "web", "--web-port", str(port)], cwd=tmp_path, env=env,

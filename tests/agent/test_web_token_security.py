@@ -228,7 +228,11 @@ def test_the_limiter_counts_per_client_and_forgets_stale_ones():
 
 def test_the_defaults_are_the_safe_ones():
     s = WebSettings()
-    assert (s.web_allow_room_names, s.web_allow_occupied_rooms, s.web_token_rate) == (False, False, 10)
+    assert (s.web_allow_room_names, s.web_allow_occupied_rooms, s.web_token_rate) == (
+        False,
+        False,
+        10,
+    )
 
 
 def test_flags_set_the_room_settings(monkeypatch, tmp_path):
@@ -237,7 +241,11 @@ def test_flags_set_the_room_settings(monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
     args = build_parser().parse_args(["web", "--web-allow-room-names", "--web-token-rate", "5"])
     s = from_args(args, WebSettings)
-    assert (s.web_allow_room_names, s.web_allow_occupied_rooms, s.web_token_rate) == (True, False, 5)
+    assert (s.web_allow_room_names, s.web_allow_occupied_rooms, s.web_token_rate) == (
+        True,
+        False,
+        5,
+    )
 
 
 @pytest.mark.parametrize("env, words", [

@@ -48,7 +48,9 @@ def test_memory_pressure_between_the_governors_watermarks():
     assert engine_load(_status(0, pressure=0.95), 4) == 1.0  # critical_at
     assert engine_load(_status(0, pressure=1.2), 4) == 1.0
     # the engine's own policy decides where the band lies
-    assert engine_load(_status(0, pressure=0.6, upgrade_at=0.4, critical_at=0.8), 4) == pytest.approx(0.5)
+    assert engine_load(
+        _status(0, pressure=0.6, upgrade_at=0.4, critical_at=0.8), 4
+    ) == pytest.approx(0.5)
     # the larger of queue and memory
     assert engine_load(_status(3, pressure=0.80), 4) == 0.75
 
@@ -88,7 +90,9 @@ def test_poller_reads_a_real_engine(tiny_checkpoint):
     hang guard; the requests are long enough to be in flight until the poller has seen them,
     and then cancelled."""
     engine = EngineProcess(tiny_checkpoint("custom_voice"), None, "--no-governor").start()
-    poller = FleetPoller([engine.url], interval=0.1, timeout=60).start()  # a busy host's slow answer is fine
+    poller = FleetPoller(
+        [engine.url], interval=0.1, timeout=60
+    ).start()  # a busy host's slow answer is fine
 
     def status() -> dict | None:
         return poller.statuses.get(engine.url.rstrip("/"))
@@ -118,7 +122,9 @@ def test_poller_reads_a_real_engine(tiny_checkpoint):
                 try:
                     async with asyncio.timeout(120):  # a hang guard
                         while (seen := engine_load({**status(), "governor": None}, 4)) < 0.75:
-                            assert not any(t.done() for t in tasks), [t.result() for t in tasks if t.done()]
+                            assert not any(t.done() for t in tasks), [
+                                t.result() for t in tasks if t.done()
+                            ]
                             await asyncio.sleep(0.05)
                 finally:
                     for t in tasks:

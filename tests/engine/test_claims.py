@@ -123,7 +123,9 @@ async def test_every_v1_route_needs_the_bearer_key(server, client):
              {"Authorization": "Bearer"}]  # fmt: skip
     for method, path in routes:
         for headers in wrong:
-            r = await client.request(method, path, headers=headers, json={"input": "Hi.", "variant": "8bit"})
+            r = await client.request(
+                method, path, headers=headers, json={"input": "Hi.", "variant": "8bit"}
+            )
             assert r.status_code == 401, (method, path, headers, r.status_code)
             if method != "HEAD":
                 _assert_openai_error(r, 401)
@@ -204,7 +206,9 @@ def test_quantize_cache_follows_weights_changed_in_place(tmp_path, monkeypatch, 
     if keep_mtime:  # as `cp -p` / `rsync -t` from files with the same timestamps leave them
         for name, st in stat.items():
             os.utime(ckpt / name, ns=(st.st_atime_ns, st.st_mtime_ns))
-        assert (ckpt / "model.safetensors").stat().st_mtime_ns == stat["model.safetensors"].st_mtime_ns
+        assert (ckpt / "model.safetensors").stat().st_mtime_ns == stat[
+            "model.safetensors"
+        ].st_mtime_ns
 
     fresh, d3 = load(resolve(str(ckpt), "8bit"), progress=False)
     assert d3["quantized_on_load"] and not d3["from_cache"]
@@ -245,7 +249,9 @@ def base_model(tiny_checkpoint):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ref_text", [None, "A reference sentence."], ids=["x-vector", "in-context"])
+@pytest.mark.parametrize(
+    "ref_text", [None, "A reference sentence."], ids=["x-vector", "in-context"]
+)
 def test_reference_audio_steers_the_codes(base_model, ref_text):
     clip_a, clip_b = _clips()
 

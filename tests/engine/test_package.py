@@ -39,7 +39,9 @@ async def test_a_handler_worker_loads_no_livekit(tiny_checkpoint):
     assert "livekit" not in maps, [line for line in maps.splitlines() if "livekit" in line][:5]
     # mlx-audio imports scipy.signal on the way (about half of a worker's start here): deferred
     # until used, and Qwen3-TTS never uses it (worker/deferred.py DEFERRED_IMPORTS)
-    assert "scipy/signal" not in maps, [line for line in maps.splitlines() if "scipy/signal" in line][:5]
+    assert "scipy/signal" not in maps, [
+        line for line in maps.splitlines() if "scipy/signal" in line
+    ][:5]
 
 
 def test_a_deferred_import_loads_when_used():
@@ -67,7 +69,8 @@ def test_the_worker_module_imports_no_livekit():
 def test_the_plugin_declares_and_locks_no_mlx():
     project = tomllib.loads((REPO / "plugins/livekit-plugins-qwen3-tts/pyproject.toml").read_text())
     declared = project["project"]["dependencies"] + [
-        d for extra in project["project"].get("optional-dependencies", {}).values() for d in extra]
+        d for extra in project["project"].get("optional-dependencies", {}).values() for d in extra
+    ]
     assert not [d for d in declared if d.lower().startswith(("mlx", "qwen3-tts-engine"))], declared
     # ... nor does anything it depends on, by the lock
     lock = tomllib.loads((REPO / "uv.lock").read_text())
@@ -132,7 +135,11 @@ def test_the_engine_image_installs_the_engine_package_alone(tmp_path):
     assert "qwen3-tts-engine" in plan and "mlx-audio" in plan
     assert not [p for p in plan if p.startswith(("livekit", "grpcio", "openai"))], plan
     # tracing: the API, SDK and the OTLP/HTTP exporter only
-    assert {"opentelemetry-api", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"} <= set(plan)
+    assert {
+        "opentelemetry-api",
+        "opentelemetry-sdk",
+        "opentelemetry-exporter-otlp-proto-http",
+    } <= set(plan)
     assert "matplotlib" not in plan  # the [quant] extra's
     print(f"engine image: {len(plan)} packages")
 

@@ -33,7 +33,9 @@ def _libraries(maps: str) -> set[str]:
     return {line.split()[-1] for line in maps.splitlines() if line.split()[-1].startswith("/")}
 
 
-def test_serve_from_a_clean_environment_loads_mlx_and_openblas_in_its_worker_only(tiny_checkpoint, tmp_path):
+def test_serve_from_a_clean_environment_loads_mlx_and_openblas_in_its_worker_only(
+    tiny_checkpoint, tmp_path
+):
     model, port = tiny_checkpoint("custom_voice", eos="text"), free_port()
     # what a login shell has, and nothing this test session set (no LD_PRELOAD, no venv)
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(tmp_path), "LANG": "C.UTF-8"}

@@ -21,7 +21,9 @@ _SKIPPING = (
 )  # fmt: skip
 
 
-def _run(tmp_path: Path, ci: str | None, tests: str = _SKIPPING, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def _run(
+    tmp_path: Path, ci: str | None, tests: str = _SKIPPING, args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["tests.conftest"]\n')
     (tmp_path / "test_skipping.py").write_text(tests)
     env = {k: v for k, v in os.environ.items() if k != "CI"}
@@ -54,11 +56,17 @@ _SKIPPING_AT_IMPORT = "import pytest\n\nfrob = pytest.importorskip('no_such_frob
 def test_a_module_level_skip_fails_under_ci(tmp_path):
     out = _run(tmp_path, "true", _SKIPPING_AT_IMPORT)
     assert out.returncode != 0, out.stdout[-2000:]
-    assert "skipped at collection, and CI is set" in out.stdout and "no_such_frobnicator" in out.stdout
-    out = _run(tmp_path, "true", "import pytest\npytest.skip('no frobnicator', allow_module_level=True)\n")
+    assert (
+        "skipped at collection, and CI is set" in out.stdout and "no_such_frobnicator" in out.stdout
+    )
+    out = _run(
+        tmp_path, "true", "import pytest\npytest.skip('no frobnicator', allow_module_level=True)\n"
+    )
     assert out.returncode != 0 and "skipped at collection" in out.stdout, out.stdout[-2000:]
     out = _run(tmp_path, None, _SKIPPING_AT_IMPORT)
-    assert out.returncode in (0, 5) and "1 skipped" in out.stdout, out.stdout[-2000:]  # 5: no test ran
+    assert out.returncode in (0, 5) and "1 skipped" in out.stdout, out.stdout[
+        -2000:
+    ]  # 5: no test ran
 
 
 def test_a_shallow_clone_fails_test_docs_under_ci(tmp_path):
@@ -69,7 +77,11 @@ def test_a_shallow_clone_fails_test_docs_under_ci(tmp_path):
                    capture_output=True, timeout=300)  # fmt: skip
     for path in ("tests/conftest.py", "tests/infra/test_docs.py"):  # as they are in this tree
         shutil.copy(REPO / path, clone / path)
-    env = {**{k: v for k, v in os.environ.items() if k != "CI"}, "CI": "true", "PYTHONPATH": str(clone)}
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "CI"},
+        "CI": "true",
+        "PYTHONPATH": str(clone),
+    }
     test = "tests/infra/test_docs.py::test_the_stamped_commits_exist"
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "-p", "no:xdist", test],
                          capture_output=True, text=True, env=env, cwd=clone, timeout=300)  # fmt: skip

@@ -391,7 +391,9 @@ def test_the_stamped_commits_exist():
     except (OSError, subprocess.TimeoutExpired) as e:
         pytest.skip(f"git cannot be asked for the stamped commits: {e}")
     if shallow.returncode != 0 or shallow.stdout.strip() != "false":
-        pytest.skip(f"no full git history to find the stamped commits in ({shallow.stderr.strip() or 'a shallow clone'})")
+        pytest.skip(
+            f"no full git history to find the stamped commits in ({shallow.stderr.strip() or 'a shallow clone'})"
+        )
     asked = "".join(f"{c}^{{commit}}\n" for c in commits)
     out = subprocess.run([*git, "cat-file", "--batch-check"], input=asked, capture_output=True,
                          text=True, timeout=60).stdout  # fmt: skip

@@ -29,14 +29,20 @@ HANG_GUARD_S = 120.0
 
 @pytest.fixture(scope="module")
 def haproxy() -> str:
-    path = shutil.which("haproxy") or next((p for p in ("/usr/sbin/haproxy",) if Path(p).is_file()), None)
+    path = shutil.which("haproxy") or next(
+        (p for p in ("/usr/sbin/haproxy",) if Path(p).is_file()), None
+    )
     if path is None:
-        pytest.skip("haproxy is not installed (Debian package haproxy; scripts/bootstrap.sh installs it)")
+        pytest.skip(
+            "haproxy is not installed (Debian package haproxy; scripts/bootstrap.sh installs it)"
+        )
     return path
 
 
 def test_the_shipped_config_is_valid(haproxy):
-    out = subprocess.run([haproxy, "-c", "-f", str(CONFIG)], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [haproxy, "-c", "-f", str(CONFIG)], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     text = CONFIG.read_text()
     assert re.search(r"^\s*balance leastconn$", text, re.M)
@@ -61,7 +67,9 @@ def servers_up(stats: Path) -> int:
         data = b""
         while chunk := s.recv(65536):
             data += chunk
-    rows = [line.split(",") for line in data.decode().splitlines() if line.startswith("engines,engine")]
+    rows = [
+        line.split(",") for line in data.decode().splitlines() if line.startswith("engines,engine")
+    ]
     return sum(row[17] == "UP" for row in rows)  # column 17: status
 
 
@@ -77,7 +85,9 @@ async def engines(tiny_checkpoint):
         await srv.stop()
 
 
-async def test_haproxy_spreads_streams_over_engines_by_least_connections(haproxy, engines, tmp_path):
+async def test_haproxy_spreads_streams_over_engines_by_least_connections(
+    haproxy, engines, tmp_path
+):
     listen, stats = free_port(), tmp_path / "stats.sock"
     cfg = tmp_path / "haproxy.cfg"
     cfg.write_text(loopback_config([e.port for e in engines], listen, stats))
@@ -94,12 +104,16 @@ async def test_haproxy_spreads_streams_over_engines_by_least_connections(haproxy
             held = []
             for _ in range(2):
                 r = await stack.enter_async_context(
-                    client.stream("POST", f"http://127.0.0.1:{listen}/v1/audio/speech", json=body))
+                    client.stream("POST", f"http://127.0.0.1:{listen}/v1/audio/speech", json=body)
+                )
                 assert r.status_code == 200
                 chunks = r.aiter_raw()
                 await anext(chunks)  # audio: the stream runs; then it is held (not read)
                 held.append(chunks)
-            running = [(await client.get(f"http://127.0.0.1:{e.port}/load")).json()["running"] for e in engines]
+            running = [
+                (await client.get(f"http://127.0.0.1:{e.port}/load")).json()["running"]
+                for e in engines
+            ]
             assert running == [1, 1], running
     finally:
         if proc.returncode is None:

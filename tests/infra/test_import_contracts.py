@@ -19,37 +19,61 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).with_name("lint-imports")
-CONTRACTS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+CONTRACTS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"][
+    "contracts"
+]
 PACKAGES = {  # import name -> source folder
     "qwen3_tts_engine": REPO / "engine/qwen3_tts_engine",
     "voice_agent": REPO / "agent/voice_agent",
-    "livekit.plugins.qwen3_tts": REPO / "plugins/livekit-plugins-qwen3-tts/livekit/plugins/qwen3_tts",
-    "livekit.plugins.faster_whisper": REPO / "plugins/livekit-plugins-faster-whisper/livekit/plugins/faster_whisper",
+    "livekit.plugins.qwen3_tts": REPO
+    / "plugins/livekit-plugins-qwen3-tts/livekit/plugins/qwen3_tts",
+    "livekit.plugins.faster_whisper": REPO
+    / "plugins/livekit-plugins-faster-whisper/livekit/plugins/faster_whisper",
 }
 
 # One deliberate violation per contract: (file in a copy of the packages, line appended, what
 # lint-imports must then name).
 VIOLATIONS = {
-    "engine-no-livekit": ("qwen3_tts_engine/worker/main.py", "import livekit.agents",
-                          "qwen3_tts_engine.worker.main -> livekit"),
-    "engine-process-boundary": ("qwen3_tts_engine/dispatch/handler.py",
-                                "def _x():\n    import mlx.core  # noqa",
-                                "qwen3_tts_engine.dispatch.handler -> mlx"),
-    "engine-layers": ("qwen3_tts_engine/models/variants.py",
-                      "from qwen3_tts_engine.serving.app import EngineServer",
-                      "qwen3_tts_engine.models.variants -> qwen3_tts_engine.serving.app"),
-    "serving-layers": ("qwen3_tts_engine/serving/speech_stream.py",
-                       "from qwen3_tts_engine.serving.speech import SpeechRoutes",
-                       "qwen3_tts_engine.serving.speech_stream -> qwen3_tts_engine.serving.speech"),
-    "agent-engine-api": ("voice_agent/services/engine.py",
-                         "from qwen3_tts_engine.worker import scheduler",
-                         "voice_agent.services.engine -> qwen3_tts_engine.worker"),
-    "agent-layers": ("voice_agent/pipeline.py", "from voice_agent import worker",
-                     "voice_agent.pipeline -> voice_agent.worker"),
-    "agent-product-path": ("voice_agent/worker.py", "from voice_agent.harness import demo",
-                           "voice_agent.worker -> voice_agent.harness"),
-    "agent-engine-users": ("voice_agent/pipeline.py", "import qwen3_tts_engine.protocol",
-                           "voice_agent.pipeline -> qwen3_tts_engine"),
+    "engine-no-livekit": (
+        "qwen3_tts_engine/worker/main.py",
+        "import livekit.agents",
+        "qwen3_tts_engine.worker.main -> livekit",
+    ),
+    "engine-process-boundary": (
+        "qwen3_tts_engine/dispatch/handler.py",
+        "def _x():\n    import mlx.core  # noqa",
+        "qwen3_tts_engine.dispatch.handler -> mlx",
+    ),
+    "engine-layers": (
+        "qwen3_tts_engine/models/variants.py",
+        "from qwen3_tts_engine.serving.app import EngineServer",
+        "qwen3_tts_engine.models.variants -> qwen3_tts_engine.serving.app",
+    ),
+    "serving-layers": (
+        "qwen3_tts_engine/serving/speech_stream.py",
+        "from qwen3_tts_engine.serving.speech import SpeechRoutes",
+        "qwen3_tts_engine.serving.speech_stream -> qwen3_tts_engine.serving.speech",
+    ),
+    "agent-engine-api": (
+        "voice_agent/services/engine.py",
+        "from qwen3_tts_engine.worker import scheduler",
+        "voice_agent.services.engine -> qwen3_tts_engine.worker",
+    ),
+    "agent-layers": (
+        "voice_agent/pipeline.py",
+        "from voice_agent import worker",
+        "voice_agent.pipeline -> voice_agent.worker",
+    ),
+    "agent-product-path": (
+        "voice_agent/worker.py",
+        "from voice_agent.harness import demo",
+        "voice_agent.worker -> voice_agent.harness",
+    ),
+    "agent-engine-users": (
+        "voice_agent/pipeline.py",
+        "import qwen3_tts_engine.protocol",
+        "voice_agent.pipeline -> qwen3_tts_engine",
+    ),
 }
 
 
@@ -73,7 +97,11 @@ def broken(tmp_path_factory) -> str:
     """lint-imports' report on a copy of the engine and the agent with every violation above."""
     root = tmp_path_factory.mktemp("contracts")
     for name in ("qwen3_tts_engine", "voice_agent"):
-        shutil.copytree(PACKAGES[name], root / name, ignore=shutil.ignore_patterns("__pycache__", "node_modules"))
+        shutil.copytree(
+            PACKAGES[name],
+            root / name,
+            ignore=shutil.ignore_patterns("__pycache__", "node_modules"),
+        )
     for rel, line, _ in VIOLATIONS.values():
         with (root / rel).open("a") as f:
             f.write(f"\n{line}  # noqa\n")
@@ -127,7 +155,9 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 base = child.module or ""
                 if child.level:
                     parts = package.split(".")
-                    base = ".".join(parts[: len(parts) - child.level + 1] + ([base] if base else []))
+                    base = ".".join(
+                        parts[: len(parts) - child.level + 1] + ([base] if base else [])
+                    )
                 for a in child.names:
                     if t := target(f"{base}.{a.name}") or target(base):
                         found.add(t)

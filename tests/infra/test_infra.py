@@ -59,7 +59,13 @@ KV_BYTES_PER_FRAME = {None: 28 * 2 * 8 * 128 * 2 + 8 * 2 * 16 * 64 * 4,
                       "float32": 28 * 2 * 8 * 128 * 4 + 8 * 2 * 16 * 64 * 4}  # fmt: skip
 
 # Variables the deployment may set that are not voice-agent settings.
-OTHER_ENV = {"LIVEKIT_URL", "LIVEKIT_API_KEY", "LIVEKIT_API_SECRET", "NUM_CPUS", "QWEN3_TTS_API_KEY"}
+OTHER_ENV = {
+    "LIVEKIT_URL",
+    "LIVEKIT_API_KEY",
+    "LIVEKIT_API_SECRET",
+    "NUM_CPUS",
+    "QWEN3_TTS_API_KEY",
+}
 # Top-level keys of livekit/sip's pkg/config Config (yaml tags).
 SIP_CONFIG_KEYS = {
     "redis", "api_key", "api_secret", "ws_url", "health_port", "prometheus_port", "pprof_port",
@@ -98,7 +104,9 @@ def compose_bytes(q: str | int) -> int:
     """Bytes of a compose memory value (docker units b/k/m/g are binary)."""
     m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([bkmg])?b?", str(q).lower())
     assert m, f"not a compose memory value: {q!r}"
-    return int(float(m.group(1)) * {None: 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30}[m.group(2)])
+    return int(
+        float(m.group(1)) * {None: 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30}[m.group(2)]
+    )
 
 
 def serve_args(command: list[str]):
@@ -172,11 +180,19 @@ def check_engine_memory(limit: int, args, request: int | None = None) -> None:
 
     need = {r.variant: r.mb for r in em.rungs}
     if request is not None:
-        assert request >= em.request(), f"requests {request / MB:.0f} MB < {em.request() / MB:.0f} MB: {need}"
+        assert request >= em.request(), (
+            f"requests {request / MB:.0f} MB < {em.request() / MB:.0f} MB: {need}"
+        )
     assert em.starting(0) < policy.critical_at * limit, f"the top rung's load is critical: {need}"
-    assert em.serving(0) < policy.downgrade_at * limit, f"the top rung would downgrade at once: {need}"
-    assert em.serving(len(ladder) - 1) < policy.downgrade_at * limit, "even the smallest rung is under pressure"
-    in_flight = args.max_batch * IN_FLIGHT_SECONDS * 25 // 2 * KV_BYTES_PER_FRAME[compute_dtype(args)]
+    assert em.serving(0) < policy.downgrade_at * limit, (
+        f"the top rung would downgrade at once: {need}"
+    )
+    assert em.serving(len(ladder) - 1) < policy.downgrade_at * limit, (
+        "even the smallest rung is under pressure"
+    )
+    in_flight = (
+        args.max_batch * IN_FLIGHT_SECONDS * 25 // 2 * KV_BYTES_PER_FRAME[compute_dtype(args)]
+    )
     for i, (big, small) in enumerate(zip(ladder, ladder[1:], strict=False)):
         swap = em.swap_bytes(i)
         enough = f"a limit of {(swap + in_flight) / policy.make_before_break_below / 2**20:.0f} MiB ({need})"
@@ -190,7 +206,9 @@ def check_engine_memory(limit: int, args, request: int | None = None) -> None:
         idle = at(em.settled(i + 1))
         _, state = decide(policy, PolicyState(), idle, small, footprints, 0.0)
         up, _ = decide(policy, state, idle, small, footprints, policy.upgrade_hold_s + 1)
-        assert up is not None and up.target == big, f"an idle engine on {small} stays there: {state.note}"
+        assert up is not None and up.target == big, (
+            f"an idle engine on {small} stays there: {state.note}"
+        )
 
 
 def workspace_members() -> dict[str, Path]:
@@ -237,7 +255,9 @@ def test_paths_named_in_the_readmes_exist():
 
 def test_livekit_config_shape():
     (conf,) = load_yaml("livekit/livekit.yaml")
-    assert "keys" not in conf and "key_file" not in conf, "keys come from LIVEKIT_KEYS, not the file"
+    assert "keys" not in conf and "key_file" not in conf, (
+        "keys come from LIVEKIT_KEYS, not the file"
+    )
     assert isinstance(conf["port"], int)
     rtc = conf["rtc"]
     assert isinstance(rtc["tcp_port"], int) and isinstance(rtc["udp_port"], int)
@@ -373,7 +393,9 @@ def test_dockerfile_references_what_the_repository_has():
                 assert extra in project["project"]["optional-dependencies"], (package, extra)
     assert (REPO / "uv.lock").is_file()
     # The uv version matches the one scripts/bootstrap.sh installs.
-    pinned = re.search(r'UV_VERSION="([^"]+)"', (REPO / "scripts/bootstrap.sh").read_text()).group(1)
+    pinned = re.search(r'UV_VERSION="([^"]+)"', (REPO / "scripts/bootstrap.sh").read_text()).group(
+        1
+    )
     assert any(f"uv=={pinned}" in rest for word, rest in instructions if word == "RUN")
     # Exec-form CMDs (the process gets SIGTERM itself) that run a console script of the workspace.
     cmds = [json.loads(rest) for word, rest in instructions if word == "CMD"]
@@ -395,7 +417,9 @@ def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
 
 def image_user() -> tuple[int, str]:
     """The uid the images run as, and its home (where the caches live)."""
-    useradd = next(rest for word, rest in dockerfile_stages()["base"] if word == "RUN" and "useradd" in rest)
+    useradd = next(
+        rest for word, rest in dockerfile_stages()["base"] if word == "RUN" and "useradd" in rest
+    )
     uid = int(re.search(r"useradd --uid (\d+)", useradd).group(1))
     home = re.search(r"--home-dir (\S+)", useradd).group(1)
     return uid, home
@@ -408,7 +432,10 @@ def test_images_run_as_an_unprivileged_user():
     for target in ("agent", "tts-engine"):
         words = [w for w, _ in stages[target]]
         users = [rest for w, rest in stages[target] if w == "USER"]
-        assert users and users[-1] == f"{uid}:{uid}", (target, users)  # numeric: runAsNonRoot checks it
+        assert users and users[-1] == f"{uid}:{uid}", (
+            target,
+            users,
+        )  # numeric: runAsNonRoot checks it
         assert words.index("USER") < words.index("CMD"), target
         assert ("ENV", f"HOME={home}") in stages[target], target
     # the caches exist in the image and belong to that user (a fresh volume copies the ownership)
@@ -452,10 +479,12 @@ def test_compose_services_and_dependencies(compose):
     for name, service in services.items():
         assert "image" in service or "build" in service, name
         deps = service.get("depends_on", {})
-        for dep, how in (deps.items() if isinstance(deps, dict) else ((d, {}) for d in deps)):
+        for dep, how in deps.items() if isinstance(deps, dict) else ((d, {}) for d in deps):
             assert dep in services, f"{name} depends on unknown {dep}"
             if how.get("condition") == "service_healthy":
-                assert "healthcheck" in services[dep], f"{name} waits for {dep}'s missing healthcheck"
+                assert "healthcheck" in services[dep], (
+                    f"{name} waits for {dep}'s missing healthcheck"
+                )
         if "build" in service:
             build = service["build"]
             assert (INFRA / build["context"] / build["dockerfile"]).is_file()
@@ -530,7 +559,9 @@ def test_compose_engines_need_a_key_and_images_write_only_caches(compose):
         args = serve_args(engine["command"])
         assert not args.insecure_no_auth, name
         # with the (required) key set, the engine's own check lets it listen on every interface
-        assert exposure_problem(args.host, None, None) and not exposure_problem(args.host, "key", None)
+        assert exposure_problem(args.host, None, None) and not exposure_problem(
+            args.host, "key", None
+        )
 
 
 def test_compose_livekit_sip_and_redis(compose):
@@ -546,7 +577,9 @@ def test_compose_livekit_sip_and_redis(compose):
     keeper = services["keeper"]
     published = {p.rsplit(":", 1)[0] for p in keeper["ports"]}
     assert "127.0.0.1:8400" in published and "http://127.0.0.1:8400/webhook" in script
-    assert keeper["command"] == ["voice-agent", "keeper"] and env_of(keeper)["KEEPER_PORT"] == "8400"
+    assert (
+        keeper["command"] == ["voice-agent", "keeper"] and env_of(keeper)["KEEPER_PORT"] == "8400"
+    )
     assert env_of(services["agent"])["KEEPER_URL"] == "http://keeper:8400"
     assert "LIVEKIT_KEYS" in env_of(livekit) and env_of(livekit)["LIVEKIT_API_KEY"].startswith("${")
     bridge_env = env_of(services["sip"])
@@ -556,7 +589,9 @@ def test_compose_livekit_sip_and_redis(compose):
     for secret in ("LIVEKIT_API_KEY", "LIVEKIT_API_SECRET"):
         assert bridge_env[secret].startswith("${")
     # Host-networked server and bridge reach Redis where compose publishes it.
-    published = {p.rsplit(":", 2)[0] + ":" + p.rsplit(":", 2)[1] for p in services["redis"]["ports"]}
+    published = {
+        p.rsplit(":", 2)[0] + ":" + p.rsplit(":", 2)[1] for p in services["redis"]["ports"]
+    }
     assert lk["redis"]["address"] in published and sip["redis"]["address"] in published
     assert services["sip"]["network_mode"] == "host"
 
@@ -590,7 +625,9 @@ def test_k8s_object_shapes():
                 res = c["resources"]
                 for key in ("memory", "cpu"):
                     assert key in res["limits"] and key in res["requests"], (name, key)
-                assert k8s_quantity(res["requests"]["memory"]) <= k8s_quantity(res["limits"]["memory"])
+                assert k8s_quantity(res["requests"]["memory"]) <= k8s_quantity(
+                    res["limits"]["memory"]
+                )
                 ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
                 for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                     if probe in c:
@@ -656,7 +693,9 @@ def test_k8s_agent_worker_drain_config_and_urls():
     assert {p["name"]: p["containerPort"] for p in c["ports"]}["health"] == 8081  # livekit-agents
     # The Prometheus annotation points at METRICS_PORT.
     notes = deployment["spec"]["template"]["metadata"]["annotations"]
-    assert notes["prometheus.io/port"] == objs[("ConfigMap", config_maps[0])]["data"]["METRICS_PORT"]
+    assert (
+        notes["prometheus.io/port"] == objs[("ConfigMap", config_maps[0])]["data"]["METRICS_PORT"]
+    )
 
 
 def test_k8s_pods_run_unprivileged_with_the_engine_key():
@@ -701,7 +740,9 @@ def test_k8s_engines_behind_a_headless_service_and_an_optional_inference_pool():
     assert service["spec"]["selector"].items() <= pods.items()
     port = serve_args(container(objs, "tts-engine")["args"]).port
     pool, route, epp = load_yaml("k8s/tts-inferencepool.yaml")
-    assert pool["kind"] == "InferencePool" and pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert (
+        pool["kind"] == "InferencePool" and pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    )
     assert pool["spec"]["selector"]["matchLabels"].items() <= pods.items()
     assert [p["number"] for p in pool["spec"]["targetPorts"]] == [port]
     assert pool["spec"]["endpointPickerRef"]["name"]

@@ -53,7 +53,9 @@ def _bootstrap(tmp_path: Path, stand_ins: dict[str, str], *, uname: str = "Darwi
            "BOOTSTRAP_UNAME": uname, "BOOTSTRAP_ARCH": arch}  # fmt: skip
     r = subprocess.run([BASH, str(root / "scripts" / "bootstrap.sh")], env=env, text=True,
                        capture_output=True, timeout=60)  # fmt: skip
-    assert not (root / ".venv").exists() and not (root / ".cache").exists(), "a dry run changed files"
+    assert not (root / ".venv").exists() and not (root / ".cache").exists(), (
+        "a dry run changed files"
+    )
     return r.returncode, r.stdout + r.stderr, bin_dir
 
 
@@ -64,7 +66,10 @@ def test_mac_with_homebrew_installs_the_missing_tools_and_no_debian_packages(tmp
     assert "apt" not in out and "Debian" not in out
     # uv is installed with the Mac's own Python, then the lock is synced with it
     assert f"would run: {bin_dir}/python3 -m venv .cache/uv" in out
-    assert f"would run: .cache/uv/bin/uv sync --frozen --quiet --compile-bytecode --python {bin_dir}/python3" in out
+    assert (
+        f"would run: .cache/uv/bin/uv sync --frozen --quiet --compile-bytecode --python {bin_dir}/python3"
+        in out
+    )
     assert "LD_PRELOAD" not in out and "openblas.env" not in out
 
 
@@ -137,7 +142,9 @@ def locked_requirements(tmp_path_factory) -> Path:
         try:
             socket.create_connection((host, 443), timeout=10).close()
         except OSError as e:
-            pytest.fail(f"PyPI is unreachable ({host}: {e}): this check resolves the lock against it")
+            pytest.fail(
+                f"PyPI is unreachable ({host}: {e}): this check resolves the lock against it"
+            )
     out = tmp_path_factory.mktemp("reqs") / "requirements.txt"
     subprocess.run([str(UV), "export", "--frozen", "--no-hashes", "--no-emit-workspace", "--quiet",
                     "--format", "requirements-txt", "--output-file", str(out)],
@@ -256,7 +263,9 @@ def test_an_unknown_speech_tool_is_refused(monkeypatch):
 
 
 @needs_espeak
-def test_the_demo_question_through_say_is_real_speech_and_cached(tmp_path, monkeypatch, bundled_path):
+def test_the_demo_question_through_say_is_real_speech_and_cached(
+    tmp_path, monkeypatch, bundled_path
+):
     from faster_whisper import WhisperModel
 
     from voice_agent.harness.demo import INPUT_RATE, load_turn_audio
@@ -290,7 +299,9 @@ def test_the_demo_question_through_say_is_real_speech_and_cached(tmp_path, monke
 def test_say_speed_and_voice_names_and_its_errors(tmp_path, monkeypatch):
     bin_dir, log = _stand_in_say(tmp_path)
     monkeypatch.setenv("PATH", str(bin_dir))
-    normal = speech_wav("Please book a table for four.", sample_rate=16000, cache_dir=tmp_path, tool="say")
+    normal = speech_wav(
+        "Please book a table for four.", sample_rate=16000, cache_dir=tmp_path, tool="say"
+    )
     fast = speech_wav("Please book a table for four.", sample_rate=16000, cache_dir=tmp_path,
                       tool="say", words_per_minute=260)  # fmt: skip
     assert fast != normal and "-r 260" in log.read_text()
@@ -361,7 +372,9 @@ def test_a_service_drawing_progress_is_waited_for_past_the_timeout(tmp_path, mon
             f"http.server.HTTPServer(('127.0.0.1', {port}), http.server.SimpleHTTPRequestHandler)"
             f".serve_forever()\n")  # fmt: skip
     offset = log.stat().st_size
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, cwd=tmp_path, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, cwd=tmp_path, text=True
+    )
     terminal = _Terminal()
     bars = [f"Fetching 12 files: {100 * i // 12}%|{'#' * i}| {i}/12" for i in range(1, 13)]
 
@@ -422,6 +435,8 @@ def test_the_llm_download_uses_the_hub_cache_first(tmp_path, monkeypatch):
 
     download_llm("mlx-community/Qwen3-0.6B-4bit")
     assert terminal.getvalue() == ""  # cached: no download line
-    with pytest.raises(RuntimeError, match="cannot download 'mlx-community/Qwen3-1.7B-4bit'.*LLM_MODEL"):
+    with pytest.raises(
+        RuntimeError, match="cannot download 'mlx-community/Qwen3-1.7B-4bit'.*LLM_MODEL"
+    ):
         download_llm("mlx-community/Qwen3-1.7B-4bit")
     assert "downloading the LLM mlx-community/Qwen3-1.7B-4bit" in terminal.getvalue()

@@ -24,7 +24,9 @@ EMPTY_200 = (b"HTTP/1.1 200 OK\r\nContent-Type: audio/pcm\r\nContent-Length: 0\r
 @dataclass(frozen=True)
 class Fault:
     mode: Mode = "pass"
-    after: int | None = None  # response body bytes let through first (None: none, not even the head)
+    after: int | None = (
+        None  # response body bytes let through first (None: none, not even the head)
+    )
 
 
 class TcpProxy:
@@ -141,7 +143,9 @@ class TcpProxy:
                 break
         if fault.mode == "stall":
             # the stall began with the last write: the client's last read comes after it
-            self.stalled_at = last_write if last_write is not None else asyncio.get_running_loop().time()
+            self.stalled_at = (
+                last_write if last_write is not None else asyncio.get_running_loop().time()
+            )
             await asyncio.Event().wait()  # nothing more comes
 
 

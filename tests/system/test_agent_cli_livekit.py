@@ -59,7 +59,15 @@ def test_settings_flags_become_the_workers_environment():
                                       "--agent-load-threshold", "0.5", "--url", "ws://lk:7880",
                                       "--drain-timeout", "30", "--log-level", "DEBUG"])  # fmt: skip
     argv, env = livekit_argv(args)
-    assert argv == ["start", "--log-level", "DEBUG", "--url", "ws://lk:7880", "--drain-timeout", "30"]
+    assert argv == [
+        "start",
+        "--log-level",
+        "DEBUG",
+        "--url",
+        "ws://lk:7880",
+        "--drain-timeout",
+        "30",
+    ]
     assert env == {"TTS_URL": "http://127.0.0.1:1", "VOICE_AGENT_OFFLINE": "0",
                    "AGENT_LOAD_THRESHOLD": "0.5"}  # fmt: skip
     dev, _ = livekit_argv(build_parser().parse_args(["dev", "--no-reload"]))

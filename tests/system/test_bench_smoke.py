@@ -70,7 +70,8 @@ def test_qwen3_tts_bench(tiny_checkpoint, tmp_path):
     _summary(report["http_first_audio_s"], "http_first_audio_s", n=1)
     _positive(report["overhead_ratio"], "overhead_ratio")
     assert report["overhead_ratio"] == pytest.approx(
-        report["http_first_audio_s"]["p50"] / report["direct_first_audio_s"]["p50"])
+        report["http_first_audio_s"]["p50"] / report["direct_first_audio_s"]["p50"]
+    )
     # p50/p95 first audio with 1, 2 and 4 clients
     conc = report["concurrency_first_audio_s"]
     assert report["frames_per_request"] == 4 and set(conc) == {"1", "2"}
@@ -90,13 +91,17 @@ def test_qwen3_tts_bench_spawn(tiny_checkpoint):
 
 def test_qwen3_tts_bench_formats(tiny_checkpoint):
     model = str(tiny_checkpoint("custom_voice", eos="text"))
-    report = _run("qwen3-tts", "bench", "formats", "--model", model, "--frames", "4", "--repeats", "1")
+    report = _run(
+        "qwen3-tts", "bench", "formats", "--model", model, "--frames", "4", "--repeats", "1"
+    )
     formats = report["formats"]
     assert set(formats) == {"mp3", "opus", "aac", "flac", "wav", "pcm"}
     assert formats["pcm"]["first_byte_ratio_to_pcm"] == 1.0
     for fmt, f in formats.items():
         _positive(f["first_byte_s"], f"{fmt}.first_byte_s")
-        assert f["first_byte_ratio_to_pcm"] == pytest.approx(f["first_byte_s"] / formats["pcm"]["first_byte_s"])
+        assert f["first_byte_ratio_to_pcm"] == pytest.approx(
+            f["first_byte_s"] / formats["pcm"]["first_byte_s"]
+        )
         assert f["streamed"] == (fmt != "wav")
     for fmt in ("mp3", "opus", "aac", "flac"):
         _positive(formats[fmt]["encode_s_per_chunk"], f"{fmt}.encode_s_per_chunk")
@@ -152,12 +157,17 @@ def test_qwen3_tts_bench_swap(tiny_checkpoint, tmp_path):
     for name, c in cases.items():
         drain = c["drain_s"] if name.startswith("break-before-make") else 0.0  # waited by design
         assert c["latency_minus_drain_minus_plain_load_s"] == pytest.approx(
-            c["latency_s"] - drain - c["plain_load_s"]), name
-        assert c["machinery_overhead_s"] == pytest.approx(c["latency_s"] - drain - c["load_in_swap_s"]), name
+            c["latency_s"] - drain - c["plain_load_s"]
+        ), name
+        assert c["machinery_overhead_s"] == pytest.approx(
+            c["latency_s"] - drain - c["load_in_swap_s"]
+        ), name
     assert goal["latency_within_plain_load_plus_100ms"] == {
-        name: c["latency_minus_drain_minus_plain_load_s"] <= 0.1 for name, c in cases.items()}
+        name: c["latency_minus_drain_minus_plain_load_s"] <= 0.1 for name, c in cases.items()
+    }
     assert goal["machinery_overhead_under_100ms"] == {
-        name: c["machinery_overhead_s"] <= 0.1 for name, c in cases.items()}
+        name: c["machinery_overhead_s"] <= 0.1 for name, c in cases.items()
+    }
 
 
 def test_voice_agent_bench(tmp_path):
@@ -178,7 +188,9 @@ def test_voice_agent_bench(tmp_path):
                                     "tts_first_clause_words": 0,
                                     "tts_first_clause_chunk_frames": 4,
                                     "tts_text_input": "sentences"}  # fmt: skip
-    assert settings["tuned"]["turn_detector"] == "rule" and settings["tuned"]["preemptive_generation"]
+    assert (
+        settings["tuned"]["turn_detector"] == "rule" and settings["tuned"]["preemptive_generation"]
+    )
     # clause mode: the tuned settings but the reply's text as sentences (first clause ahead)
     assert settings["tuned"]["tts_text_input"] == "auto"
     assert settings["clause"] == {**settings["tuned"], "tts_text_input": "sentences"}
@@ -215,7 +227,9 @@ def test_voice_agent_bench(tmp_path):
             preemptive = settings[name]["preemptive_generation"]
             lead = max(0.0, eot - (turn["transcription_s"] or 0.0)) if preemptive else 0.0
             tts_early = preemptive and settings[name]["preemptive_tts"]
-            early, late = (turn["llm_ttfs_s"] + tts, 0.0) if tts_early else (turn["llm_ttfs_s"], tts)
+            early, late = (
+                (turn["llm_ttfs_s"] + tts, 0.0) if tts_early else (turn["llm_ttfs_s"], tts)
+            )
             added = turn["voice_to_voice_s"] - eot - max(0.0, early - lead) - late
             assert turn["added_s"] == pytest.approx(added), turn
             first = turn["llm_ttfs_s"] - turn["llm_ttft_s"] + turn["tts_ttfb_s"]  # LiveKit's
@@ -226,8 +240,12 @@ def test_voice_agent_bench(tmp_path):
         summary = config["summary"]["voice_to_voice_s"]
         assert summary["n"] == len(voiced) and summary["p95"] >= summary["p50"] > 0, summary
     # tuned over baseline, and streamed text (tuned) over clause mode: each p50 ratio as measured
-    ratios = {"end_of_turn_p50": "end_of_turn_s", "transcription_p50": "transcription_s",
-              "voice_to_voice_p50": "voice_to_voice_s", "livekit_end_of_turn_delay_p50": "end_of_turn_delay_s"}
+    ratios = {
+        "end_of_turn_p50": "end_of_turn_s",
+        "transcription_p50": "transcription_s",
+        "voice_to_voice_p50": "voice_to_voice_s",
+        "livekit_end_of_turn_delay_p50": "end_of_turn_delay_s",
+    }
     assert set(report["ratios"]) == set(ratios)
     for key, column in ratios.items():
         expected = _p50_ratio(report["tuned"], report["baseline"], column)
@@ -243,14 +261,17 @@ def test_voice_agent_bench(tmp_path):
     # the plain question's transcript, tuned against baseline
     wer = report["plain_transcript_wer_vs_baseline"]
     assert isinstance(wer, int | float) and wer >= 0, wer
-    assert report["goals"]["end_of_turn_p50_ratio"] == 0.5 and report["goals"]["added_p95_s"] == 0.060
+    assert (
+        report["goals"]["end_of_turn_p50_ratio"] == 0.5 and report["goals"]["added_p95_s"] == 0.060
+    )
     # TTS first audio while the LLM generates / idle
     _summary(report["tts_first_audio_idle_s"], "tts idle", n=1)
     _summary(report["tts_first_audio_llm_busy_s"], "tts busy", n=1)
     _positive(report["llm_stream_lines_during_busy"], "llm lines")
     _positive(report["contention_ratio"], "contention_ratio")
     assert report["contention_ratio"] == pytest.approx(
-        report["tts_first_audio_llm_busy_s"]["p50"] / report["tts_first_audio_idle_s"]["p50"])
+        report["tts_first_audio_llm_busy_s"]["p50"] / report["tts_first_audio_idle_s"]["p50"]
+    )
     assert report["goal_ratio"] == 1.3
 
 
@@ -284,12 +305,19 @@ def test_qwen3_tts_bench_concurrency(tiny_checkpoint):
             _summary(level["first_audio_s"], f"{path} {n} first_audio_s", n=2)
             _summary(level["rtf_per_stream"], f"{path} {n} rtf_per_stream", n=2)
             _positive(level["frames_per_s"], f"{path} {n} frames_per_s")
-        assert report["ratios"][path]["1"] == {"first_audio_p95_ratio": 1.0, "frames_per_s_ratio": 1.0}
+        assert report["ratios"][path]["1"] == {
+            "first_audio_p95_ratio": 1.0,
+            "frames_per_s_ratio": 1.0,
+        }
         _positive(report["ratios"][path]["2"]["first_audio_p95_ratio"], f"{path} ratio")
     # the same seeded requests batched and one by one: every stream is compared
     assert report["paths"]["codes"]["2"]["determinism"]["streams"] == 2
     assert 0 <= report["paths"]["full"]["2"]["vocoder_share"] <= 1
-    assert set(report["paths"]["http"]["2"]["server_step_s"]) == {"step_s_p50", "step_s_p95", "batch_occupancy"}
+    assert set(report["paths"]["http"]["2"]["server_step_s"]) == {
+        "step_s_p50",
+        "step_s_p95",
+        "batch_occupancy",
+    }
     # the sizing `serve` would admit by: slots follow from the steps the server measured
     sizing = report["realtime_slots"]
     assert sizing["frame_budget_ms"] == 80 and 1 <= sizing["slots"] <= 2

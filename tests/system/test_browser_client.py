@@ -52,8 +52,12 @@ from voice_agent.settings import WebSettings
 pytestmark = pytest.mark.filterwarnings("ignore:The HMAC key is .* bytes long")  # devkey/secret
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "support" / "browser" / "call.mjs"
-PLAYWRIGHT = REPO / "tests" / "support" / "browser" / "node_modules" / "playwright-core" / "package.json"
-INSTALL_HINT = "run scripts/install_browser.sh (Debian chromium, npm ci for the page and the driver)"
+PLAYWRIGHT = (
+    REPO / "tests" / "support" / "browser" / "node_modules" / "playwright-core" / "package.json"
+)
+INSTALL_HINT = (
+    "run scripts/install_browser.sh (Debian chromium, npm ci for the page and the driver)"
+)
 SECRET = "fake-api-secret-for-the-web-tests-0123456789"  # long enough for HMAC-SHA256
 WORDS = ("time",)  # of QUESTION: tiny.en on Opus-coded audio hears "time", not always "what"
 AGENT_WORDS = ("noon",)  # of the scripted LLM's answer
@@ -90,7 +94,9 @@ async def test_token_endpoint_grants_and_secrecy():
         assert second["identity"] != body["identity"] and second["room"] != body["room"]
 
         named = await client.post("/api/token", json={"room": "my-room.1"})
-        assert named.status == 403  # the server picks the room (tests/agent/test_web_token_security.py)
+        assert (
+            named.status == 403
+        )  # the server picks the room (tests/agent/test_web_token_security.py)
 
         for page in ("/", "/app.js", "/style.css", "/api/config"):
             r = await client.get(page)
@@ -120,7 +126,9 @@ async def test_token_endpoint_grants_and_secrecy():
 async def test_token_endpoint_rejects_bad_input(body, status, says):
     async with TestClient(TestServer(web_client.create_app(_settings()))) as client:
         if isinstance(body, str):
-            r = await client.post("/api/token", data=body, headers={"Content-Type": "application/json"})
+            r = await client.post(
+                "/api/token", data=body, headers={"Content-Type": "application/json"}
+            )
         else:
             r = await client.post("/api/token", json=body)
         error = (await r.json())["error"]
@@ -348,7 +356,10 @@ async def test_call_from_chromium(browser_tools, livekit_server, tiny_checkpoint
     # inside the page's reading, which adds the network legs, Opus and the jitter buffer (their
     # length is the machine's business: no upper bound); 150 ms for where Silero and the page's
     # analyser put the end of the question
-    e2e = [float(x) * 1000 for x in re.findall(r"e2e_latency=([\d.]+)s", log.read_text(errors="replace"))]
+    e2e = [
+        float(x) * 1000
+        for x in re.findall(r"e2e_latency=([\d.]+)s", log.read_text(errors="replace"))
+    ]
     assert e2e, f"no e2e_latency in the worker's turn log: {context}"
     print(f"the worker's e2e_latency: {e2e[0]:.0f} ms")
     assert e2e[0] - 150 <= state["latency_ms"], (e2e, context)

@@ -43,7 +43,13 @@ def test_the_conversation_lives_in_the_rooms_metadata():
     back = history_from_metadata(stored)
     assert len(back) == HISTORY_TURNS and back[-1]["text"].startswith("message 19")
     assert all(len(h["text"]) == HISTORY_CHARS for h in back)
-    for junk in (None, "", "not json", "[1, 2]", '{"voice_agent": {"history": [{"role": "system", "text": "x"}, 5]}}'):
+    for junk in (
+        None,
+        "",
+        "not json",
+        "[1, 2]",
+        '{"voice_agent": {"history": [{"role": "system", "text": "x"}, 5]}}',
+    ):
         assert history_from_metadata(junk) == []
     assert json.loads(metadata_with_history("plain text", history[:1]))["metadata"] == "plain text"
 
@@ -51,10 +57,17 @@ def test_the_conversation_lives_in_the_rooms_metadata():
 def test_two_agents_in_a_call_agree_which_one_keeps_it():
     """Each decides alone and they agree: exactly one of any set of agents stays, the one that
     joined first (an agent back from a network cut joins again, later), whatever its identity."""
-    assert yields_to((2, "agent-A"), [(1, "agent-B")]) == "agent-B" and yields_to((1, "agent-B"), [(2, "agent-A")]) is None
+    assert (
+        yields_to((2, "agent-A"), [(1, "agent-B")]) == "agent-B"
+        and yields_to((1, "agent-B"), [(2, "agent-A")]) is None
+    )
     trio = [(5, "agent-AJ_a"), (3, "agent-AJ_x"), (3, "agent-AJ_q")]  # two at the same instant
-    assert [me for me in trio if yields_to(me, [a for a in trio if a != me]) is None] == [(3, "agent-AJ_q")]
-    assert yields_to((5, "agent-AJ_a"), [(3, "agent-AJ_x"), (3, "agent-AJ_q")]) == "agent-AJ_q"  # to the one that stays
+    assert [me for me in trio if yields_to(me, [a for a in trio if a != me]) is None] == [
+        (3, "agent-AJ_q")
+    ]
+    assert (
+        yields_to((5, "agent-AJ_a"), [(3, "agent-AJ_x"), (3, "agent-AJ_q")]) == "agent-AJ_q"
+    )  # to the one that stays
     assert yields_to((NOT_JOINED, "agent-A"), [(7, "agent-Z")]) == "agent-Z"  # no join time: last
     assert yields_to((1, "agent-A"), []) is None
 
@@ -74,7 +87,9 @@ async def test_the_keeper_refuses_unsigned_webhooks_and_heartbeats(livekit_serve
     base = f"http://127.0.0.1:{port}"
     try:
         async with httpx.AsyncClient() as c:
-            assert (await c.post(f"{base}/webhook", content='{"event": "room_started"}')).status_code == 401
+            assert (
+                await c.post(f"{base}/webhook", content='{"event": "room_started"}')
+            ).status_code == 401
             forged = api.AccessToken(server.api_key, "not-the-secret").with_identity("x").to_jwt()
             r = await c.post(f"{base}/webhook", content="{}", headers={"Authorization": forged})
             assert r.status_code == 401
@@ -82,11 +97,15 @@ async def test_the_keeper_refuses_unsigned_webhooks_and_heartbeats(livekit_serve
             assert (await c.post(f"{base}/v1/heartbeat", json=beat)).status_code == 401
             other = (api.AccessToken(server.api_key, server.api_secret).with_identity("agent-1")
                      .with_grants(api.VideoGrants(room="r2")).to_jwt())  # fmt: skip
-            r = await c.post(f"{base}/v1/heartbeat", json=beat, headers={"Authorization": f"Bearer {other}"})
+            r = await c.post(
+                f"{base}/v1/heartbeat", json=beat, headers={"Authorization": f"Bearer {other}"}
+            )
             assert r.status_code == 403
             good = (api.AccessToken(server.api_key, server.api_secret).with_identity("agent-1")
                     .with_grants(api.VideoGrants(room="r1")).to_jwt())  # fmt: skip
-            r = await c.post(f"{base}/v1/heartbeat", json=beat, headers={"Authorization": f"Bearer {good}"})
+            r = await c.post(
+                f"{base}/v1/heartbeat", json=beat, headers={"Authorization": f"Bearer {good}"}
+            )
             assert r.status_code == 200
             status = (await c.get(f"{base}/v1/status")).json()
             assert "agent-1" in status["rooms"]["r1"]["agents"]
@@ -159,7 +178,10 @@ async def test_a_killed_jobs_heartbeat_socket_closes_and_the_keeper_acts_at_once
         jobs["ended"].stdin.write(b"bye\n")
         await jobs["ended"].stdin.drain()
         assert await asyncio.wait_for(jobs["ended"].wait(), 30) == 0
-        await _until(lambda: ("room-ended", "agent-ended") not in keeper.sockets, "the ended job's socket to close")
+        await _until(
+            lambda: ("room-ended", "agent-ended") not in keeper.sockets,
+            "the ended job's socket to close",
+        )
         assert "agent-ended" in keeper.rooms["room-ended"].ended
         assert [room for room, _ in keeper.decisions] == ["room-killed"]
 
@@ -167,8 +189,13 @@ async def test_a_killed_jobs_heartbeat_socket_closes_and_the_keeper_acts_at_once
         # and the heartbeat timeout finds it
         keeper.heartbeat_timeout = 2.0
         jobs["frozen"].send_signal(signal.SIGSTOP)
-        await _until(lambda: any(room == "room-frozen" for room, _ in keeper.decisions), "the timeout's decision")
-        assert [room for room, _ in keeper.decisions] == ["room-killed", "room-frozen"], keeper.decisions
+        await _until(
+            lambda: any(room == "room-frozen" for room, _ in keeper.decisions),
+            "the timeout's decision",
+        )
+        assert [room for room, _ in keeper.decisions] == ["room-killed", "room-frozen"], (
+            keeper.decisions
+        )
         reason = keeper.decisions[1][1]
         assert reason.startswith("no heartbeat from agent-frozen for "), reason
         assert ("room-frozen", "agent-frozen") in keeper.sockets
@@ -245,7 +272,9 @@ async def test_a_room_started_again_keeps_its_watch_against_an_older_decision(li
         keeper.rooms["r"] = old = RoomWatch(started=0.0, agents={"agent-1": 0.0}, quiet_until=1e9)
         async with httpx.AsyncClient() as c:
             body, headers = _signed_webhook(server, "room_started", "r")
-            assert (await c.post(f"http://127.0.0.1:{port}/webhook", content=body, headers=headers)).status_code == 200
+            assert (
+                await c.post(f"http://127.0.0.1:{port}/webhook", content=body, headers=headers)
+            ).status_code == 200
         new = keeper.rooms["r"]
         assert new is not old and new.started > 0.0 and new.quiet_until == 0.0
         assert new.agents == {"agent-1": 0.0}  # a job still beating may rejoin the new room
@@ -255,7 +284,9 @@ async def test_a_room_started_again_keeps_its_watch_against_an_older_decision(li
         assert "r" not in keeper.rooms
     finally:
         await runner.cleanup()
-    down = CallKeeper(f"ws://127.0.0.1:{free_port()}", server.api_key, server.api_secret)  # nobody listens
+    down = CallKeeper(
+        f"ws://127.0.0.1:{free_port()}", server.api_key, server.api_secret
+    )  # nobody listens
     await down.start()
     try:
         down.rooms["r"] = watch = RoomWatch(started=0.0)

@@ -183,14 +183,18 @@ async def test_call_through_a_livekit_server(livekit_server, tiny_checkpoint, tm
                  "e2e_latency", "added_latency"):  # fmt: skip
         assert scrape[f"voice_agent_{name}_seconds_count"] >= 1, name
     assert "lk_agents_active_job_count" in scrape and "voice_agent_errors_total" in scrape
-    dashboard = {n for n in dashboard_metric_names() if n.startswith(("voice_agent_", "lk_agents_"))}
+    dashboard = {
+        n for n in dashboard_metric_names() if n.startswith(("voice_agent_", "lk_agents_"))
+    }
     assert dashboard and dashboard <= scrape_families(scrape), dashboard - scrape_families(scrape)
 
     # Traces: the turn's STT, LLM and TTS spans in one trace, and the engine's span as the child
     # of the plugin's request (W3C traceparent). The agent's default text input streams each
     # segment over the engine's WebSocket (`qwen3_tts.text_stream` -> `qwen3_tts.speech_stream`).
     names = {s.name for s in collector.spans if s.service == "voice-agent"}
-    assert {"user_turn", "stt_request", "llm_node", "tts_node", "qwen3_tts.text_stream"} <= names, names
+    assert {"user_turn", "stt_request", "llm_node", "tts_node", "qwen3_tts.text_stream"} <= names, (
+        names
+    )
     spans = collector.by_id()
     engine_spans = collector.named("qwen3_tts.speech_stream")
     assert engine_spans and all(s.service == "qwen3-tts-engine" for s in engine_spans)

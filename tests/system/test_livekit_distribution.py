@@ -109,14 +109,19 @@ async def _settle(tags, ports: dict, logs: dict, below: float = THRESHOLD - 0.1)
         loads = {t: (await _worker_load(ports[t]), _told(logs[t])) for t in tags}
         if all(load < below and told == "available" for load, told in loads.values()):
             return
-        assert time.monotonic() < deadline, f"workers still busy after {WAIT:g} s (hang guard): {loads}"
+        assert time.monotonic() < deadline, (
+            f"workers still busy after {WAIT:g} s (hang guard): {loads}"
+        )
         await asyncio.sleep(0.1)
 
 
 def _job_pid(log_text: str, room: str) -> int | None:
     for line in log_text.splitlines():
-        if (line.startswith('{"message": "turn:') and f'"room": "{room}"' in line
-                and (m := re.search(r'"pid": (\d+)', line))):  # a turn's log line: the job process
+        if (
+            line.startswith('{"message": "turn:')
+            and f'"room": "{room}"' in line
+            and (m := re.search(r'"pid": (\d+)', line))
+        ):  # a turn's log line: the job process
             return int(m.group(1))
     return None
 
@@ -132,23 +137,32 @@ async def _crashed_job_gets_an_agent_back(server, keeper: CallKeeper, llm: Scrip
                  and a.attributes.get("lk.agent.state") == "listening",
                  "the keeper's agent to listen in the waiting room")  # fmt: skip
     waited = [r for r in keeper.recoveries if r.room == room]
-    assert waited and waited[0].reason.startswith("no agent after") and waited[0].dispatch_id, keeper.recoveries
+    assert waited and waited[0].reason.startswith("no agent after") and waited[0].dispatch_id, (
+        keeper.recoveries
+    )
     first_agent = caller.agent().identity
     tag = caller.agent().attributes["worker"]
 
     # a turn, so that there is a conversation to pick up (once the agent hears the microphone)
-    await _until(lambda: caller.mic_subscribed is not None, "the agent's subscription to the microphone")
+    await _until(
+        lambda: caller.mic_subscribed is not None, "the agent's subscription to the microphone"
+    )
     caller.say(question)
     await _until(lambda: "noon" in caller.agent_transcript().lower(), "the first answer")
     lk = api.LiveKitAPI(server.http_url, server.api_key, server.api_secret)
     try:
+
         async def stored() -> bool:
             rooms = (await lk.room.list_rooms(api.ListRoomsRequest(names=[room]))).rooms
-            return bool(rooms) and any("noon" in h["text"].lower() for h in history_from_metadata(rooms[0].metadata))
+            return bool(rooms) and any(
+                "noon" in h["text"].lower() for h in history_from_metadata(rooms[0].metadata)
+            )
 
         t0 = time.monotonic()
         while not await stored():
-            assert time.monotonic() - t0 < WAIT, "the conversation never reached the room's metadata (hang guard)"
+            assert time.monotonic() - t0 < WAIT, (
+                "the conversation never reached the room's metadata (hang guard)"
+            )
             await asyncio.sleep(0.2)
     finally:
         await lk.aclose()
@@ -166,7 +180,10 @@ async def _crashed_job_gets_an_agent_back(server, keeper: CallKeeper, llm: Scrip
     # (frames before the new agent joined may be the old agent's last words)
     await _until(lambda: any(p > SILENT_PEAK and t > t_rejoined for t, p in caller.agent_frames[heard:]),
                  "the new agent's voice")  # fmt: skip
-    heard_again = min(t for t, p in caller.agent_frames[heard:] if p > SILENT_PEAK and t > t_rejoined) - t_kill
+    heard_again = (
+        min(t for t, p in caller.agent_frames[heard:] if p > SILENT_PEAK and t > t_rejoined)
+        - t_kill
+    )
     lost = [r for r in keeper.recoveries if r.room == room and r.lost_agent == first_agent]
     # the killed process's heartbeat socket closed: the keeper acted without waiting for a timeout
     assert lost and "connection closed without a goodbye" in lost[0].reason, keeper.recoveries
@@ -176,8 +193,12 @@ async def _crashed_job_gets_an_agent_back(server, keeper: CallKeeper, llm: Scrip
     caller.say(question)
     await _until(lambda: len(llm.requests) > asked, "the second question to reach the LLM")
     messages = json.dumps(llm.requests[-1]["messages"]).lower()
-    assert "noon" in messages and messages.count("time") >= 2, messages  # the first turn is in context
-    print(f"crashed job: a new agent in the room {rejoined:.1f}s and its voice {heard_again:.1f}s after the kill")
+    assert "noon" in messages and messages.count("time") >= 2, (
+        messages
+    )  # the first turn is in context
+    print(
+        f"crashed job: a new agent in the room {rejoined:.1f}s and its voice {heard_again:.1f}s after the kill"
+    )
     record_property("recovery_rejoined_s", round(rejoined, 2))
     record_property("recovery_heard_s", round(heard_again, 2))
 
@@ -235,7 +256,11 @@ async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_pro
 
         # 0c. phone calls, as LiveKit's SIP bridge makes them look to the room (tests/system/test_phone_calls.py)
         def alive() -> str | None:
-            gone = [f"worker {t} exited with {w.returncode}" for t, w in workers.items() if w.poll() is not None]
+            gone = [
+                f"worker {t} exited with {w.returncode}"
+                for t, w in workers.items()
+                if w.poll() is not None
+            ]
             return "; ".join(gone) or None
 
         await phone_calls_through_a_livekit_server(server, llm, list(ports.values()), list(logs.values()), alive,
@@ -256,8 +281,9 @@ async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_pro
                 break
         print(f"jobs per room, in order: {served} ({time.monotonic() - t_phase:.0f}s)")
         record_property("job_spread", ",".join(served))
-        assert set(served) == {"a", "b"}, \
+        assert set(served) == {"a", "b"}, (
             f"all {len(served)} rooms went to one worker: {served}; loads before each: {loads_seen}"
+        )
 
         # 2. load: worker a's engine saturated (queue >= capacity) -> a tells LiveKit it is full,
         # and rooms go to b
@@ -304,7 +330,10 @@ async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_pro
         # the room's participants coming and going, in the order LiveKit tells the caller
         seen: list[tuple[str, str, int | None]] = []
         room.on("participant_connected", lambda p: seen.append(("joined", p.identity, None)))
-        room.on("participant_disconnected", lambda p: seen.append(("left", p.identity, p.disconnect_reason)))
+        room.on(
+            "participant_disconnected",
+            lambda p: seen.append(("left", p.identity, p.disconnect_reason)),
+        )
         await room.connect(server.url, _token(server, "caller-kill", name))
         await _until(lambda: (a := _agent(room)) is not None and a.attributes.get("worker"),
                      "an agent in the call to be killed")  # fmt: skip
@@ -344,7 +373,9 @@ async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_pro
         try:
             await _until(lambda: ("joined", "agent-0-notes") in [(what, who) for what, who, _ in seen],
                          "the bystander to join the call")  # fmt: skip
-            await lk.agent_dispatch.create_dispatch(api.CreateAgentDispatchRequest(agent_name="", room=name))
+            await lk.agent_dispatch.create_dispatch(
+                api.CreateAgentDispatchRequest(agent_name="", room=name)
+            )
         finally:
             await lk.aclose()
         agents_now = lambda: sorted(p.identity for p in room.remote_participants.values()  # noqa: E731
@@ -361,12 +392,16 @@ async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_pro
         await bystander.disconnect()
         await room.disconnect()
         assert second == survivor, f"the call came back on {second}, the killed worker was {victim}"
-        assert recovered and "connection closed without a goodbye" in recovered[0].reason, keeper.recoveries
+        assert recovered and "connection closed without a goodbye" in recovered[0].reason, (
+            keeper.recoveries
+        )
         assert recovered[0].lost_agent == agent.identity, recovered
         # the dead agent was removed (RoomService.RemoveParticipant: the keeper) before its
         # successor joined: never two agents in the call
         order = [(what, who) for what, who, _ in seen]
-        assert order.index(("left", agent.identity)) < order.index(("joined", successor.identity)), seen
+        assert order.index(("left", agent.identity)) < order.index(
+            ("joined", successor.identity)
+        ), seen
         print(f"killed worker {victim}: its agent removed, re-dispatched on {second} after {redispatched:.1f}s "
               f"({recovered[0].reason}); new call served by {tag} {new_call:.1f}s after the kill "
               f"({listening:.1f}s join->listening); phase {time.monotonic() - t_phase:.0f}s")  # fmt: skip
@@ -384,12 +419,16 @@ async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_pro
         await caller.join(server.url, _token(server, caller.identity, name))
         await _until(lambda: (a := caller.agent()) is not None
                      and a.attributes.get("lk.agent.state") == "listening", "the agent to listen")  # fmt: skip
-        await _until(lambda: caller.mic_subscribed is not None, "the agent's subscription to the microphone")
+        await _until(
+            lambda: caller.mic_subscribed is not None, "the agent's subscription to the microphone"
+        )
         caller.say(load_turn_audio(speech_wav(QUESTION, sample_rate=RATE)))
         await _until(lambda: caller.speech_end is not None, "the question to be spoken")
         t_term = time.monotonic()
         workers[survivor].send_signal(signal.SIGTERM)
-        await _until(lambda: "noon" in caller.agent_transcript().lower(), "the answer after SIGTERM")
+        await _until(
+            lambda: "noon" in caller.agent_transcript().lower(), "the answer after SIGTERM"
+        )
         answered = time.monotonic() - t_term
         assert workers[survivor].poll() is None, "the worker exited before its call ended"
         await caller.close()
@@ -397,8 +436,10 @@ async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_pro
         await _delete_room(server, name)
         t_left = time.monotonic()
         code = await asyncio.to_thread(workers[survivor].wait, WAIT)
-        print(f"drain: answered {answered:.1f}s after SIGTERM; worker exited {code} "
-              f"{time.monotonic() - t_left:.1f}s after the call ended; phase {time.monotonic() - t_phase:.0f}s")
+        print(
+            f"drain: answered {answered:.1f}s after SIGTERM; worker exited {code} "
+            f"{time.monotonic() - t_left:.1f}s after the call ended; phase {time.monotonic() - t_phase:.0f}s"
+        )
         record_property("drain_answer_s", round(answered, 2))
         record_property("drain_exit_code", code)
         assert code == 0

@@ -40,7 +40,11 @@ GREETING = "Hello caller {caller_number}, how can I help?"
 
 
 def test_dtmf_actions_and_transfer_target_are_checked():
-    assert parse_dtmf_actions("0=transfer, 9=hangup,#=hangup") == {"0": "transfer", "9": "hangup", "#": "hangup"}
+    assert parse_dtmf_actions("0=transfer, 9=hangup,#=hangup") == {
+        "0": "transfer",
+        "9": "hangup",
+        "#": "hangup",
+    }
     assert parse_dtmf_actions("") == {}
     for bad, why in (("0=dance", "unknown action"), ("10=hangup", "DIGIT=ACTION"), ("5", "DIGIT=ACTION"),
                      ("1=hangup,1=transfer", "two actions")):  # fmt: skip
@@ -101,14 +105,22 @@ class PhoneCallerClient(Caller):
 async def _active_jobs(port: int) -> int | None:
     try:
         async with httpx.AsyncClient() as c:
-            return int((await c.get(f"http://127.0.0.1:{port}/worker", timeout=2)).json().get("active_jobs", 0))
+            return int(
+                (await c.get(f"http://127.0.0.1:{port}/worker", timeout=2))
+                .json()
+                .get("active_jobs", 0)
+            )
     except (httpx.HTTPError, ValueError):
         return None
 
 
 # What a worker needs for the calls below (tests/system/test_livekit_distribution.py starts its workers
 # with it, on the LLM of `phone_llm()`, and runs `phone_calls_through_a_livekit_server` there).
-PHONE_ENV = {"PHONE_GREETING": GREETING, "DTMF_ACTIONS": "0=transfer,9=hangup", "TRANSFER_TO": "+15550100"}
+PHONE_ENV = {
+    "PHONE_GREETING": GREETING,
+    "DTMF_ACTIONS": "0=transfer,9=hangup",
+    "TRANSFER_TO": "+15550100",
+}
 
 
 def phone_llm() -> ScriptedChatServer:
@@ -120,7 +132,9 @@ async def phone_calls_through_a_livekit_server(server, llm: ScriptedChatServer, 
     """Phone calls to the workers whose AGENT_HTTP_PORTs are `http_ports` (started with PHONE_ENV,
     `llm` from `phone_llm()`; `alive()` says why a worker is gone, or None). Checks only what the
     workers log from here on."""
-    question = load_turn_audio(phone_line_wav(speech_wav(QUESTION, sample_rate=RATE), sample_rate=RATE))
+    question = load_turn_audio(
+        phone_line_wav(speech_wav(QUESTION, sample_rate=RATE), sample_rate=RATE)
+    )
     log_start = {log: len(log.read_text(errors="replace")) for log in logs}
     callers: list[PhoneCallerClient] = []
 
@@ -128,7 +142,11 @@ async def phone_calls_through_a_livekit_server(server, llm: ScriptedChatServer, 
         caller = PhoneCallerClient(f"sip_{name}_{uuid.uuid4().hex[:4]}")
         callers.append(caller)
         await caller.join(server.url, caller.token(server, f"phone-{name}-{uuid.uuid4().hex[:6]}"))
-        await _until(lambda: caller.said("1 5 5 5 0 1 2 3") >= 1, f"{name}: the greeting with the number", alive=alive)
+        await _until(
+            lambda: caller.said("1 5 5 5 0 1 2 3") >= 1,
+            f"{name}: the greeting with the number",
+            alive=alive,
+        )
         await _until(lambda: (a := caller.agent()) is not None and a.attributes.get("lk.agent.state") == "listening",
                      f"{name}: the agent to listen after its greeting", alive=alive)  # fmt: skip
         return caller
@@ -136,12 +154,14 @@ async def phone_calls_through_a_livekit_server(server, llm: ScriptedChatServer, 
     async def job_freed(what: str) -> float:
         t0 = time.monotonic()
         while (jobs := [await _active_jobs(p) for p in http_ports]) != [0] * len(http_ports):
-            assert time.monotonic() - t0 < WAIT, f"{what}: still {jobs} active jobs after {WAIT:g} s (hang guard)"
+            assert time.monotonic() - t0 < WAIT, (
+                f"{what}: still {jobs} active jobs after {WAIT:g} s (hang guard)"
+            )
             await asyncio.sleep(0.1)
         return time.monotonic() - t0
 
     def new_log_text() -> str:
-        return "".join(log.read_text(errors="replace")[log_start[log]:] for log in logs)
+        return "".join(log.read_text(errors="replace")[log_start[log] :] for log in logs)
 
     try:
         # 1. a phone caller asks a question over a phone line and hears the answer
@@ -152,8 +172,15 @@ async def phone_calls_through_a_livekit_server(server, llm: ScriptedChatServer, 
         await _until(lambda: first.speech_end is not None, "the question to be spoken", alive=alive)
         await _until(lambda: any(t > first.speech_end and p > SILENT_PEAK for t, p in first.agent_frames),
                      "the agent's audio", alive=alive)  # fmt: skip
-        v2v = min(t for t, p in first.agent_frames if t > first.speech_end and p > SILENT_PEAK) - first.speech_end
-        await _until(lambda: "capital" in first.user_transcript().lower(), "the caller's transcript", alive=alive)
+        v2v = (
+            min(t for t, p in first.agent_frames if t > first.speech_end and p > SILENT_PEAK)
+            - first.speech_end
+        )
+        await _until(
+            lambda: "capital" in first.user_transcript().lower(),
+            "the caller's transcript",
+            alive=alive,
+        )
         await _until(lambda: first.said("noon") >= 1, "the agent's answer", alive=alive)
         # 2. a digit without an action reaches the LLM as text (and gets a reply)
         await first.press("1")
@@ -162,10 +189,16 @@ async def phone_calls_through_a_livekit_server(server, llm: ScriptedChatServer, 
         await _until(lambda: first.said("noon") >= 2, "the reply to the digit", alive=alive)
         # 3. the transfer digit: no SIP service, so the transfer fails, is said, and the call goes on
         await first.press("0")
-        await _until(lambda: first.said(TRANSFER_FAILED) >= 1, "the failed transfer to be said", alive=alive)
+        await _until(
+            lambda: first.said(TRANSFER_FAILED) >= 1, "the failed transfer to be said", alive=alive
+        )
         # 4. the LLM's transfer_call tool: the same
         await first.press("5")
-        await _until(lambda: first.said(TRANSFER_FAILED) >= 2, "the tool's failed transfer to be said", alive=alive)
+        await _until(
+            lambda: first.said(TRANSFER_FAILED) >= 2,
+            "the tool's failed transfer to be said",
+            alive=alive,
+        )
         assert not first.disconnected.is_set(), "the caller was dropped after a failed transfer"
         # 5. the LLM's end_call tool (LiveKit's EndCallTool): the caller is removed
         await first.press("7")
@@ -192,7 +225,9 @@ async def phone_calls_through_a_livekit_server(server, llm: ScriptedChatServer, 
             await caller.close()
 
     text = new_log_text()
-    print(f"voice-to-voice seen by the phone caller: {v2v:.3f}s; job free {freed:.2f}s after the hang-up")
+    print(
+        f"voice-to-voice seen by the phone caller: {v2v:.3f}s; job free {freed:.2f}s after the hang-up"
+    )
     print(f"transcripts: {first.transcripts}")
     record_property("phone_voice_to_voice_s", round(v2v, 3))
     record_property("phone_job_freed_s", round(freed, 3))

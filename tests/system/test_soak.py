@@ -44,15 +44,27 @@ def test_turns_are_counted_and_attributed_to_faults():
     fault = {"name": "agent_worker_kill", "t": 20.0, "t_recovered": 30.0}
     assert turn_totals(turns) == {"attempted": 6, "answered": 4, "by_outcome": {"answer": 3, "apology": 1, "failed": 2},
                                   "failed_by_cause": {"agent_lost": 1, "no_answer": 1}}  # fmt: skip
-    assert lost_turns(fault, turns, 100.0) == {"in_flight": 1, "after_the_fault": 0, "causes": {"agent_lost": 1}}
+    assert lost_turns(fault, turns, 100.0) == {
+        "in_flight": 1,
+        "after_the_fault": 0,
+        "causes": {"agent_lost": 1},
+    }
     phases = fault_phases(fault, turns, 100.0, window=30.0)
     # by the end of the caller's speech (t_start + 2): the turn begun at 19 s was cut by the fault
     assert phases["before"]["turns"] == 2 and phases["before"]["voice_to_voice_s"]["p50"] == 1.5
-    assert phases["during"]["turns"] == 2 and phases["during"]["heard"] == 1 and phases["during"]["failed"] == 1
+    assert (
+        phases["during"]["turns"] == 2
+        and phases["during"]["heard"] == 1
+        and phases["during"]["failed"] == 1
+    )
     assert phases["after"]["turns"] == 1 and phases["after"]["voice_to_voice_s"]["p95"] == 1.5
     # the failure at 70 s overlaps no fault: a loss no fault explains
     assert [t["t_start"] for t in unexplained_failures(turns, [fault], 100.0)] == [70]
-    never = {"name": "llm_outage", "t": 60.0, "t_recovered": None}  # never recovered: to the run's end
+    never = {
+        "name": "llm_outage",
+        "t": 60.0,
+        "t_recovered": None,
+    }  # never recovered: to the run's end
     assert unexplained_failures(turns, [fault, never], 100.0) == []
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([], 0.95) is None
     # a livekit-server restart lands when the server goes away after its drain (t_struck): a
@@ -76,7 +88,9 @@ def test_memory_growth_and_slope():
     short = rss_growth([(t, 1e6) for t in range(900, 1000, 10)], since=300, min_span=600)
     assert not short["long_lived"]  # a process restarted late: its growth does not count
     loading = [(0, 50e6), (10, 200e6)] + [(t, 200e6) for t in range(20, 1200, 10)]
-    assert rss_growth(loading, since=0, min_span=600, warmup=30)["growth_pct"] == 0.0  # loading is not growth
+    assert (
+        rss_growth(loading, since=0, min_span=600, warmup=30)["growth_pct"] == 0.0
+    )  # loading is not growth
 
 
 def test_a_keeper_dispatch_resumes_a_call_without_history():
@@ -103,7 +117,9 @@ def test_the_schedule_and_the_fault_names():
 
 def test_bench_takes_soak_and_keeps_its_old_form():
     p = build_parser()
-    a = p.parse_args(["bench", "soak", "--minutes", "3", "--callers", "2", "--faults", "llm_outage"])
+    a = p.parse_args(
+        ["bench", "soak", "--minutes", "3", "--callers", "2", "--faults", "llm_outage"]
+    )
     assert (a.suite, a.minutes, a.callers, a.faults) == ("soak", 3.0, 2, "llm_outage")
     old = p.parse_args(["bench", "--turns", "1", "--paused-turns", "0"])
     assert old.suite is None and old.turns == 1
@@ -132,7 +148,9 @@ def test_the_stack_waits_for_a_lingering_process_before_reporting(tmp_path):
         assert time.monotonic() < deadline and leader.poll() is None, stack.log_text("engine")
         time.sleep(0.05)
     stack.sample()  # tracks the child
-    assert any(t.role.startswith("engine/") for t in stack.tracked.values())  # the child (engine/python3 or so)
+    assert any(
+        t.role.startswith("engine/") for t in stack.tracked.values()
+    )  # the child (engine/python3 or so)
     stack.stop_all()
     # the child ended by itself inside the wait: neither swept (killed) nor reported as left behind
     assert stack.swept == [] and stack.left_running() == []
@@ -171,14 +189,20 @@ def test_the_short_soak_recovers_from_every_fault(tmp_path, record_property):
     faults = {f["name"]: f for f in report["faults"]}
     summary = {n: (f["recovered"], f["recover_s"], f.get("error")) for n, f in faults.items()}
     print(f"short soak: {took:.0f}s; turns {report['turns']}; faults {summary}")
-    context = f"faults: {json.dumps(report['faults'], indent=1)[:6000]}\n--- stderr ---\n{log[-4000:]}"
+    context = (
+        f"faults: {json.dumps(report['faults'], indent=1)[:6000]}\n--- stderr ---\n{log[-4000:]}"
+    )
     assert set(faults) == set(FAULTS), context
     for name, f in faults.items():
         assert f["recovered"] and not f.get("error"), f"{name} did not recover\n{context}"
         record_property(f"{name}_recover_s", f["recover_s"])
-        assert f["phases"]["before"]["heard"] >= 1 and f["phases"]["after"]["heard"] >= 1, f"{name}\n{context}"
+        assert f["phases"]["before"]["heard"] >= 1 and f["phases"]["after"]["heard"] >= 1, (
+            f"{name}\n{context}"
+        )
         # each fault struck under load: a caller's turn was in flight (the turn log says so)
-        assert f["under_load"] and f["struck_turns"] >= 1, f"{name} struck an idle system\n{context}"
+        assert f["under_load"] and f["struck_turns"] >= 1, (
+            f"{name} struck an idle system\n{context}"
+        )
     # the engine's worker was killed mid-utterance: the engine counts the request it cut
     kill = faults["engine_worker_kill"]
     assert kill["mid_utterance"] and kill["strikes"][-1]["requests_cut"] >= 1, context
@@ -186,19 +210,30 @@ def test_the_short_soak_recovers_from_every_fault(tmp_path, record_property):
     # carries the targets): the tests hold what happened, in order.
     # killed mid-call: the job's heartbeat socket closed, and the keeper acted on that (not on
     # a heartbeat timeout)
-    assert any("without a goodbye" in k["reason"] for k in faults["agent_worker_kill"]["keeper"]), context
+    assert any("without a goodbye" in k["reason"] for k in faults["agent_worker_kill"]["keeper"]), (
+        context
+    )
     assert faults["engine_worker_kill"]["next_turn"], context
     outage = faults["llm_outage"]
-    assert outage["refused_requests"] >= 1 and outage["during"]["apology"] >= 1 and outage["during"]["failed"] == 0, context
+    assert (
+        outage["refused_requests"] >= 1
+        and outage["during"]["apology"] >= 1
+        and outage["during"]["failed"] == 0
+    ), context
     assert set(faults["livekit_restart"]["reregistered_s"]) == {"a", "b"}, context
     # turns lost: only those a fault caused (in flight, or begun while it lasted)
     assert report["turns"]["answered"] >= 10, report["turns"]
     assert report["unexplained_failures"]["count"] == 0, report["unexplained_failures"]
     for f in report["faults"]:
-        assert f["lost_turns"]["in_flight"] + f["lost_turns"]["after_the_fault"] <= 2 * report["config"]["callers"], f
+        assert (
+            f["lost_turns"]["in_flight"] + f["lost_turns"]["after_the_fault"]
+            <= 2 * report["config"]["callers"]
+        ), f
     left = report["left_behind"]
     assert left["processes"] == [] and left["workdir_removed"], left
-    assert left["processes_tracked"] >= 6, left  # livekit-server, engine (+ worker), 2 workers (+ jobs)
+    assert left["processes_tracked"] >= 6, (
+        left
+    )  # livekit-server, engine (+ worker), 2 workers (+ jobs)
 
 
 @pytest.mark.slow
@@ -218,7 +253,9 @@ def test_sigterm_stops_everything_the_soak_started(tmp_path):
         # the caller is in a call: SIGTERM lands in the run (its "hanging up" below shows it did)
         for p in psutil.Process(proc.pid).children(recursive=True):
             started[p.pid] = p.create_time()
-        assert len(started) >= 4, started  # livekit-server, engine, two workers (and their children)
+        assert len(started) >= 4, (
+            started
+        )  # livekit-server, engine, two workers (and their children)
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(180)
     finally:

@@ -99,7 +99,9 @@ class Caller:
         a = self.agent()
         return a if a is not None and a.attributes.get("lk.agent.state") == "listening" else None
 
-    def loud_after(self, t: float, identity: str | None = None, *, other_than: str | None = None) -> float | None:
+    def loud_after(
+        self, t: float, identity: str | None = None, *, other_than: str | None = None
+    ) -> float | None:
         """When the agent (any, `identity`, or any but `other_than`) was first heard after `t`."""
         start = bisect.bisect_right(self.frames, t, key=lambda f: f[0])  # frames come in time order
         return next((ft for ft, peak, who in self.frames[start:]

@@ -104,7 +104,9 @@ class Conversation:
         self.answers_llm_errors = answers_llm_errors
         self.failures: list[BaseException] = []  # the exceptions behind reported errors
         # (perf_counter when queued, item)
-        self._items: asyncio.Queue[tuple[float, llm.ChatMessage | TurnFailed | _Silent]] = asyncio.Queue()
+        self._items: asyncio.Queue[tuple[float, llm.ChatMessage | TurnFailed | _Silent]] = (
+            asyncio.Queue()
+        )
         self._errors: list[str] = []
         self._stt: list[float] = []
         self._calls: list[str] = []
@@ -135,7 +137,9 @@ class Conversation:
 
     def _on_speech_done(self, handle) -> None:
         self._note(f"{handle.id} done{' (interrupted)' if handle.interrupted else ''}")
-        said = any(isinstance(i, llm.ChatMessage) and i.role == "assistant" for i in handle.chat_items)
+        said = any(
+            isinstance(i, llm.ChatMessage) and i.role == "assistant" for i in handle.chat_items
+        )
         if not handle.interrupted and not said:
             # LiveKit adds no message for a reply without text (an LLM that answered nothing):
             # the turn is over all the same
@@ -169,7 +173,9 @@ class Conversation:
 
     def _on_work(self, m) -> None:
         self._note(f"{m.type.removesuffix('_metrics').upper()} done")
-        self._work.append(m)  # its speech_id is set by the agent activity's listener, maybe after this one
+        self._work.append(
+            m
+        )  # its speech_id is set by the agent activity's listener, maybe after this one
 
     def _on_metrics(self, metrics) -> None:
         if isinstance(metrics, STTMetrics):
@@ -197,8 +203,9 @@ class Conversation:
                 left = max(0.1, deadline - time.perf_counter())
                 t, item = await asyncio.wait_for(self._items.get(), left)
             except TimeoutError:
-                raise TimeoutError(f"no reply from the agent within {timeout:g} s; "
-                                   f"{self.trace_since(t_sent)}") from None
+                raise TimeoutError(
+                    f"no reply from the agent within {timeout:g} s; {self.trace_since(t_sent)}"
+                ) from None
             if isinstance(item, TurnFailed):
                 raise item
             early = t < t_sent  # before the caller's last word: a turn committed too early
@@ -286,9 +293,13 @@ class Conversation:
                 sent = await self.audio_in.play(part)
                 if last_part:
                     return sent
-                await self._wait(finals.get(), t_start, timeout, f"the final transcript of part {i + 1}")
+                await self._wait(
+                    finals.get(), t_start, timeout, f"the final transcript of part {i + 1}"
+                )
                 self._note(f"part {i + 1} transcribed")
-                await self._wait(speech.between(i), t_start, timeout, f"the wait after part {i + 1}")
+                await self._wait(
+                    speech.between(i), t_start, timeout, f"the wait after part {i + 1}"
+                )
                 self._note(f"part {i + 1}: the wait after it is over")
             raise ValueError("InParts with no parts")
         except BaseException:
@@ -306,7 +317,9 @@ class Conversation:
     def trace_since(self, t: float, last: int = 16) -> str:
         """One line: what the session did this turn (seconds from `t`), the last `last` events."""
         events = [f"{ts - t:+.2f} s {what}" for ts, what in self._trace][-last:]
-        return "this turn (s from the end of the utterance): " + ("; ".join(events) or "nothing happened")
+        return "this turn (s from the end of the utterance): " + (
+            "; ".join(events) or "nothing happened"
+        )
 
 
 def error_message(e: BaseException) -> str:

@@ -74,7 +74,9 @@ async def run_turns(settings: Settings, turns: list[np.ndarray | InParts], *, tt
     conversation = Conversation(session, PacedAudioInput(INPUT_RATE), CaptureAudioOutput(24000),
                                 answers_llm_errors=isinstance(agent, VoiceAgent))  # fmt: skip
     TurnMetrics(session)
-    metrics_server = await start_metrics_server(settings.metrics_port) if settings.metrics_port else None
+    metrics_server = (
+        await start_metrics_server(settings.metrics_port) if settings.metrics_port else None
+    )
     await session.start(agent)
     if on_start is not None:
         on_start(conversation)
@@ -115,7 +117,9 @@ class _ReportedErrors(logging.Filter):
 
 def write_replies(path: Path, reports: list[TurnReport]) -> None:
     gap = np.zeros(12000, np.int16)
-    audio = np.concatenate([x for r in reports for x in (r.reply_audio, gap) if x is not None] or [gap])
+    audio = np.concatenate(
+        [x for r in reports for x in (r.reply_audio, gap) if x is not None] or [gap]
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     with wave.open(str(path), "wb") as w:
         w.setnchannels(1)

@@ -36,11 +36,15 @@ class ScriptedChatServer:
         self.answer = answer
         # {words in the last user message: the tool to call}: e.g. {"pressed 7": "end_call"}
         self.tool_rules = {k.lower(): v for k, v in (tool_rules or {}).items()}
-        self.echo = echo  # answer "You said: <the last user message>." (which request a reply answers)
+        self.echo = (
+            echo  # answer "You said: <the last user message>." (which request a reply answers)
+        )
         self.use_tool = use_tool
         self.fail = fail
         self.model = model
-        self.keep_requests = keep_requests  # False: count them only (a long run's memory stays flat)
+        self.keep_requests = (
+            keep_requests  # False: count them only (a long run's memory stays flat)
+        )
         self.requests: list[dict] = []
         self.request_count = 0
         self._waiters: list[tuple[Callable[[dict], bool], asyncio.Future]] = []
@@ -78,7 +82,9 @@ class ScriptedChatServer:
     def _rule_tool(self, body: dict) -> str | None:
         """The tool a rule asks for: the last user message matches, and no tool has answered since."""
         messages = body["messages"]
-        last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+        last_user = max(
+            (i for i, m in enumerate(messages) if m.get("role") == "user"), default=None
+        )
         if last_user is None or any(m.get("role") == "tool" for m in messages[last_user:]):
             return None
         text = _text(messages[last_user].get("content")).lower()
@@ -89,7 +95,9 @@ class ScriptedChatServer:
         return None
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+        )
 
     def _chunk(self, delta: dict, finish: str | None = None) -> bytes:
         body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": int(time.time()),
@@ -118,7 +126,9 @@ class ScriptedChatServer:
             tool = "get_current_time"
         if not body.get("stream", True):
             return self._whole(tool, body)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await resp.prepare(request)
         if tool is not None:
             call = {"index": 0, "id": f"call_{self.request_count}", "type": "function",

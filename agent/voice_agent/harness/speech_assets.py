@@ -110,7 +110,9 @@ def speech_wav(
             out = Path(tmp) / "resampled.wav"
             sox = require_tool("sox")
             # -h: high-quality resampler; -b 16 -c 1: keep mono int16
-            run_tool([sox, str(raw), "-b", "16", "-c", "1", str(out), "rate", "-h", str(sample_rate)])
+            run_tool(
+                [sox, str(raw), "-b", "16", "-c", "1", str(out), "rate", "-h", str(sample_rate)]
+            )
         os.replace(out, path)
     return path
 
@@ -265,7 +267,9 @@ def _cache_name(text: str, voice: str, sample_rate: int, words_per_minute: int |
     key = [text, voice, sample_rate, words_per_minute] + ([tool] if tool != "espeak-ng" else [])
     digest = hashlib.sha256(json.dumps(key, ensure_ascii=False).encode()).hexdigest()[:16]
     slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40] or "speech"
-    voice_slug = re.sub(r"[^A-Za-z0-9+.-]+", "_", voice if tool == "espeak-ng" else f"{tool}-{voice}")
+    voice_slug = re.sub(
+        r"[^A-Za-z0-9+.-]+", "_", voice if tool == "espeak-ng" else f"{tool}-{voice}"
+    )
     return f"{slug}.{voice_slug}.{sample_rate}hz.{digest}.wav"
 
 

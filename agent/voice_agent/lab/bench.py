@@ -124,12 +124,17 @@ async def _turns(settings: Settings, turns, tts_url: str, llm_url: str, handler)
                "llm_requests": r.llm_requests, "llm_wasted": r.llm_wasted,
                "tts_requests": r.tts_requests, "tts_wasted": r.tts_wasted}  # fmt: skip
         lag = r.vad_end_lag_s  # from the caller's last sample to LiveKit's end of speech
-        for ours, livekit in (("end_of_turn_s", "end_of_turn_delay_s"), ("transcription_s", "transcription_delay_s")):
+        for ours, livekit in (
+            ("end_of_turn_s", "end_of_turn_delay_s"),
+            ("transcription_s", "transcription_delay_s"),
+        ):
             row[ours] = None if lag is None or row[livekit] is None else row[livekit] + lag
         # LiveKit's: ttfs - ttft = the LLM's first token -> the TTS got text (a clause, or the first
         # token itself when streamed); + ttfb = -> the TTS's first audio
         ttft, ttfs, ttfb = row["llm_ttft_s"], row["llm_ttfs_s"], row["tts_ttfb_s"]
-        row["llm_first_token_to_audio_s"] = None if None in (ttft, ttfs, ttfb) else ttfs - ttft + ttfb
+        row["llm_first_token_to_audio_s"] = (
+            None if None in (ttft, ttfs, ttfb) else ttfs - ttft + ttfb
+        )
         llm_first = row["llm_ttfs_s"] if row["llm_ttfs_s"] is not None else row["llm_ttft_s"]
         parts = (row["end_of_turn_s"], llm_first, row["tts_first_chunk_compute_s"])
         if None in (*parts, row["voice_to_voice_s"]):
@@ -140,9 +145,15 @@ async def _turns(settings: Settings, turns, tts_url: str, llm_url: str, handler)
             # the final transcript, before the turn is committed: at most (end of turn -
             # transcription delay) of their time is hidden. Counting only the rest as compute
             # bounds the glue from above.
-            lead = max(0.0, eot - (row["transcription_s"] or 0.0)) if settings.preemptive_generation else 0.0
+            lead = (
+                max(0.0, eot - (row["transcription_s"] or 0.0))
+                if settings.preemptive_generation
+                else 0.0
+            )
             tts_early = settings.preemptive_generation and settings.preemptive_tts
-            early, late = (llm_first + tts, 0.0) if tts_early else (llm_first, tts)  # before / after the commit
+            early, late = (
+                (llm_first + tts, 0.0) if tts_early else (llm_first, tts)
+            )  # before / after the commit
             row["added_s"] = row["voice_to_voice_s"] - eot - max(0.0, early - lead) - late
         rows.append(row)
     return rows
@@ -166,7 +177,9 @@ def _ratio(tuned: dict, base: dict, column: str) -> float | None:
     return None if a is None or not b else a / b
 
 
-async def _bench(settings: Settings, llm: LocalService, turns: int, paused_turns: int, tts_requests: int) -> dict:
+async def _bench(
+    settings: Settings, llm: LocalService, turns: int, paused_turns: int, tts_requests: int
+) -> dict:
     # optional extra: the engine package (`voice-agent[local]`), needed by this command only
     from qwen3_tts_engine import Engine, EngineServer, Handler, ServerConfig
 
@@ -175,7 +188,9 @@ async def _bench(settings: Settings, llm: LocalService, turns: int, paused_turns
         from qwen3_tts_engine.tiny_checkpoints import default_tiny_checkpoint  # (the same extra)
 
         model, notes = str(default_tiny_checkpoint()), [RANDOM_TTS]
-    engine = EngineServer(Engine(model, [Handler(model, settings.tts_variant)]), ServerConfig(port=0))
+    engine = EngineServer(
+        Engine(model, [Handler(model, settings.tts_variant)]), ServerConfig(port=0)
+    )
     await engine.start()
     handler = engine.engine.active
     tts_url = f"http://127.0.0.1:{engine.port}"
@@ -242,7 +257,9 @@ async def _bench(settings: Settings, llm: LocalService, turns: int, paused_turns
     }  # fmt: skip
 
 
-def run_bench(settings: Settings, turns: int, paused_turns: int, tts_requests: int, out: Path | None) -> int:
+def run_bench(
+    settings: Settings, turns: int, paused_turns: int, tts_requests: int, out: Path | None
+) -> int:
     # The LLM service on the main thread, before the event loop (as the demo does): offline it
     # writes the tiny random LLM with mlx, and mlx used on a worker thread (asyncio.to_thread)
     # made the process abort at interpreter exit now and then ("terminate called without an

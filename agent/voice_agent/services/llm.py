@@ -96,7 +96,9 @@ def ensure_llm(settings: Settings, *, timeout: float = 600.0) -> LocalService:
         from qwen3_tts_engine.fast_blas import environment_for_child
 
         # mlx on a Linux CPU: Debian's OpenBLAS preloaded for the server's matmuls (fast_blas.py)
-        env = environment_for_child({**os.environ, **({"HF_HUB_OFFLINE": "1"} if settings.offline else {})})
+        env = environment_for_child(
+            {**os.environ, **({"HF_HUB_OFFLINE": "1"} if settings.offline else {})}
+        )
         _hub_cache_exists()
         proc = start_service(key, cmd, f"mlx-lm-server-{port}.log", f"{url}/v1/models",
                              "the local LLM (mlx_lm.server)", timeout, port, env, model)  # fmt: skip

@@ -74,7 +74,9 @@ def wait_until_ready(url: str, proc: subprocess.Popen, what: str, timeout: float
                 return
             if proc.poll() is not None:
                 # one line: the last line of its log (an exception, usually) and where the rest is
-                lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+                lines = (
+                    log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+                )
                 last = f": {lines[-1].strip()}" if lines else ""
                 who = holder(port)
                 held = f"; port {port} is in use by {who}" if who else ""

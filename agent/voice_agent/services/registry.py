@@ -129,7 +129,11 @@ def _live_users(key: str) -> list[int]:
     users = cache_dir() / f"{key}.users"
     alive = []
     for path in users.iterdir() if users.is_dir() else ():
-        if path.name.isdigit() and _is_running(text := path.read_text()) and text.split()[0] == path.name:
+        if (
+            path.name.isdigit()
+            and _is_running(text := path.read_text())
+            and text.split()[0] == path.name
+        ):
             alive.append(int(path.name))
         else:
             path.unlink(missing_ok=True)
@@ -261,6 +265,7 @@ def sigterm_as_interrupt() -> Iterator[None]:
     """While services start: SIGTERM (`timeout`, `kill`) raises SystemExit(143) in the main
     thread, so it runs the same cleanup as Ctrl-C instead of leaving a half-started service.
     Only where SIGTERM has its default action (a handler someone installed is kept)."""
+
     def interrupt(signum, frame):
         raise SystemExit(128 + signum)
 

@@ -29,7 +29,9 @@ def _compact_tokenizer(out: Path) -> tuple[int, int]:
     cfg["chat_template"] = CHAT_TEMPLATE
     (out / "vocab.json").write_text(json.dumps(real, ensure_ascii=False), encoding="utf-8")
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
-    im_end = next(int(i) for i, t in cfg["added_tokens_decoder"].items() if t["content"] == "<|im_end|>")
+    im_end = next(
+        int(i) for i, t in cfg["added_tokens_decoder"].items() if t["content"] == "<|im_end|>"
+    )
     return len(real) + len(added), im_end
 
 

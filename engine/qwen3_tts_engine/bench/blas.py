@@ -67,7 +67,9 @@ class _Server:
         pid = httpx.get(f"{self.url}/v1/engine/status", timeout=30).json()["handlers"][0]["pid"]
         maps = Path(f"/proc/{pid}/maps").read_text() if sys.platform.startswith("linux") else ""
         libs = {line.split()[-1] for line in maps.splitlines() if line.split()[-1].startswith("/")}
-        return sorted(lib for lib in libs if "blas" in Path(lib).name.lower() and "numpy" not in lib)
+        return sorted(
+            lib for lib in libs if "blas" in Path(lib).name.lower() and "numpy" not in lib
+        )
 
     def first_audio(self, frames: int) -> float:
         body = {"input": "Hello, this is a test of the first audio.", "max_new_tokens": frames,
@@ -95,7 +97,10 @@ def run_blas_bench(args: argparse.Namespace) -> int:
     model = args.model or str(default_tiny_checkpoint())
     preload = openblas_path()
     if preload is None:
-        print("qwen3-tts: error: no OpenBLAS installed here (Debian: libopenblas0-pthread)", file=sys.stderr)
+        print(
+            "qwen3-tts: error: no OpenBLAS installed here (Debian: libopenblas0-pthread)",
+            file=sys.stderr,
+        )
         return 2
     servers = [_Server("clean", model, _clean_env()),
                _Server("ld_preload", model, {**_clean_env(), "LD_PRELOAD": preload}),
@@ -109,7 +114,7 @@ def run_blas_bench(args: argparse.Namespace) -> int:
         times: dict[str, list[float]] = {s.name: [] for s in servers}
         for i in range(args.repeats):
             print(f"  repeat {i + 1} of {args.repeats}", file=sys.stderr, flush=True)
-            for s in servers[i % len(servers):] + servers[: i % len(servers)]:  # rotate the order
+            for s in servers[i % len(servers) :] + servers[: i % len(servers)]:  # rotate the order
                 times[s.name].append(s.first_audio(args.frames))
         blas = {s.name: s.worker_blas() for s in servers}
     finally:

@@ -69,7 +69,6 @@ def _requests(n: int, frames: int, voice: str | None, repeat: int) -> list[Speec
 def _level(model, reqs: list[SpeechRequest], *, batch: int, decode: bool) -> dict:
     """Run `reqs` (all admitted at t=0) through one scheduler of `batch` rows."""
 
-
     scheduler = Scheduler(model, max_batch=batch)
     mx.clear_cache()
     mx.reset_peak_memory()
@@ -141,16 +140,28 @@ def _in_process(model_path: str, levels: list[int], frames: int, repeats: int,
                 compute_dtype: str | None, codes_only: bool = False) -> dict:  # fmt: skip
 
     model, _ = load(resolve(model_path), progress=False, compute_dtype=compute_dtype)
-    voice = sorted(model.config.talker_config.spk_id or {})[0] if model.config.talker_config.spk_id else None
+    voice = (
+        sorted(model.config.talker_config.spk_id or {})[0]
+        if model.config.talker_config.spk_id
+        else None
+    )
     _level(model, _requests(1, 4, voice, 99), batch=1, decode=not codes_only)  # warm-up
-    paths: dict = {"codes": {}, "codes_unbatched": {}} if codes_only else {"codes": {}, "codes_unbatched": {}, "full": {}}
+    paths: dict = (
+        {"codes": {}, "codes_unbatched": {}}
+        if codes_only
+        else {"codes": {}, "codes_unbatched": {}, "full": {}}
+    )
     raw: dict = {}
     # round-robin: each repeat runs every level and path once, so a machine that slows down or
     # speeds up during the run weighs on all levels alike (the ratios compare them)
     for r in range(repeats):
         print(f"  in process, repeat {r + 1} of {repeats}", file=sys.stderr, flush=True)
         for n in levels:
-            for path, batch, decode in (("codes", n, False), ("codes_unbatched", 1, False), ("full", n, True)):
+            for path, batch, decode in (
+                ("codes", n, False),
+                ("codes_unbatched", 1, False),
+                ("full", n, True),
+            ):
                 if (path == "codes_unbatched" and n == 1) or path not in paths:
                     continue
                 # a smaller level runs more often, so that every level's p95 is taken over as
@@ -165,7 +176,8 @@ def _in_process(model_path: str, levels: list[int], frames: int, repeats: int,
             paths[path][str(n)] = _collect(raw[path, n])
         if n > 1:
             paths["codes"][str(n)]["determinism"] = _flips(
-                [run for run in raw["codes", n] if run["extra"] == 0], raw["codes_unbatched", n])
+                [run for run in raw["codes", n] if run["extra"] == 0], raw["codes_unbatched", n]
+            )
     if codes_only:
         return paths
     one = paths["full"][str(levels[0])].get("mlx_peak_bytes")
@@ -221,7 +233,11 @@ async def _http(model_path: str, levels: list[int], frames: int, repeats: int,
         sizing = realtime_slots(server.engine.active.steps, max(levels))
     finally:
         await server.stop()
-    return {str(n): {**_collect(runs[n]), "server_step_s": steps[n]} for n in levels}, compute, sizing
+    return (
+        {str(n): {**_collect(runs[n]), "server_step_s": steps[n]} for n in levels},
+        compute,
+        sizing,
+    )
 
 
 def realtime_slots(steps: StepModel, max_batch: int) -> dict:
@@ -245,10 +261,11 @@ def run_concurrency_bench(args) -> int:
 
     model = args.model
     if args.real_size and model:
-        print("qwen3-tts: error: --real-size and --model name two models; give one", file=sys.stderr)
+        print(
+            "qwen3-tts: error: --real-size and --model name two models; give one", file=sys.stderr
+        )
         return 2
     if args.real_size:  # the real 0.6B architecture, random weights (written once, ~2.5 GB)
-
         model = str(real_size_dir())
         if not (Path(model) / "speech_tokenizer" / "config.json").is_file():
             print(f"writing the real-size checkpoint to {model} ...", file=sys.stderr, flush=True)

@@ -81,7 +81,6 @@ def _direct_first_audio(model: str, repeats: int, frames: int, queue) -> None:
     """mlx-audio's own streaming generate() in this (spawned) process's main thread, on the
     engine's CPU kernels (the ratio against it is the serving's overhead, not the kernels')."""
 
-
     with contextlib.redirect_stdout(sys.stderr):  # mlx-audio prints while loading: keep stdout JSON
         m = load_model(Path(model))
     if on_cpu():
@@ -115,11 +114,14 @@ async def _http_first_audio(url: str, body: dict) -> tuple[float, float]:
 
 
 async def _server_numbers(model: str, repeats: int, frames: int, clients_levels) -> dict:
-    server = build_server(EngineConfig(model, server=ServerConfig(port=0), frame_budget_s=None))  # all run
+    server = build_server(
+        EngineConfig(model, server=ServerConfig(port=0), frame_budget_s=None)
+    )  # all run
     await server.start()
     url = f"http://127.0.0.1:{server.port}/v1/audio/speech"
     voice = (server.engine.active.info["voices"] or [None])[0]
     try:
+
         def body(i):
             return {"input": TEXT, "voice": voice, "seed": i, "language": "en",
                     "max_new_tokens": frames, "stream": True, "response_format": "pcm"}  # fmt: skip
@@ -143,8 +145,9 @@ async def _server_numbers(model: str, repeats: int, frames: int, clients_levels)
 def real_size_weight_bytes(recipe_name: str) -> dict:
     """Weight memory of the real Qwen3-TTS 0.6B architecture (random weights, bf16 base)."""
 
-
-    model = Model(ModelConfig.from_dict({"tts_model_type": "custom_voice", "tts_model_size": "0b6"}))
+    model = Model(
+        ModelConfig.from_dict({"tts_model_type": "custom_voice", "tts_model_size": "0b6"})
+    )
     model.set_dtype(mx.bfloat16)
     plan = apply_recipe(model, get_recipe(recipe_name))
     params = dict(tree_flatten(model.parameters()))
@@ -194,14 +197,14 @@ def run_bench(args) -> int:
     report["overhead_ratio"] = server["http_first_audio_s"]["p50"] / statistics.median(direct)
 
     if args.real_size_memory:
-
         report["real_0_6b_weight_bytes"] = {}
         for v in variants:
             print(f"  real-size 0.6B weights, {v}", file=sys.stderr)
             report["real_0_6b_weight_bytes"][v] = _in_child(_real_size_worker, v)
         print("  real-size 0.6B process memory, one fresh worker per variant", file=sys.stderr)
         report["real_0_6b_process_memory"] = run_memory_bench(
-            variants, progress=lambda m: print(m, file=sys.stderr, flush=True))
+            variants, progress=lambda m: print(m, file=sys.stderr, flush=True)
+        )
 
     text = json.dumps(report, indent=2, default=float)
     print(text)

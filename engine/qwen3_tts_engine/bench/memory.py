@@ -61,7 +61,8 @@ def real_size_config() -> dict:
     talker = config["talker_config"]
     talker.update({k: real[k] for k in _SIZE_KEYS})
     talker["code_predictor_config"].update(
-        {k: real["code_predictor_config"][k] for k in (*_SIZE_KEYS[:6], "layer_types")})
+        {k: real["code_predictor_config"][k] for k in (*_SIZE_KEYS[:6], "layer_types")}
+    )
     return config
 
 
@@ -75,7 +76,9 @@ def real_size_tensors() -> tuple[dict, dict, int]:
     model = Model(ModelConfig.from_dict(config))
     root = {k: (tuple(v.shape), "BF16") for k, v in tree_flatten(model.parameters())}
     decoder = Qwen3TTSSpeechTokenizerDecoder(Qwen3TTSTokenizerDecoderConfig())
-    vocoder = {f"decoder.{k}": (tuple(v.shape), "F32") for k, v in tree_flatten(decoder.parameters())}
+    vocoder = {
+        f"decoder.{k}": (tuple(v.shape), "F32") for k, v in tree_flatten(decoder.parameters())
+    }
     return root, vocoder, config["talker_config"]["num_hidden_layers"]
 
 
@@ -91,7 +94,9 @@ def write_real_size_checkpoint(out: Path, seed: int = 0) -> Path:
         if value.ndim == 1:
             w = mx.ones(value.shape)
         else:
-            w = mx.random.normal(value.shape) * (1.0 if "embedding" in name else value.shape[-1] ** -0.5)
+            w = mx.random.normal(value.shape) * (
+                1.0 if "embedding" in name else value.shape[-1] ** -0.5
+            )
         weights[name] = w.astype(mx.bfloat16)
         mx.eval(weights[name])
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -151,7 +156,9 @@ def _reset_hwm(pid: int | None) -> bool:
     return True
 
 
-async def measure_rung(model: str, rung: str, frames: int = FRAMES, compute_dtype: str | None = None) -> dict:
+async def measure_rung(
+    model: str, rung: str, frames: int = FRAMES, compute_dtype: str | None = None
+) -> dict:
     """One fresh engine worker for `rung` (its talker computing in `compute_dtype`, None: the
     weights' dtype): memory after load and after one synthesis. The peaks: RSS sampled every 50
     ms while it speaks, and the kernel's high-water mark of the RSS after load (the load's
@@ -187,7 +194,11 @@ async def measure_rung(model: str, rung: str, frames: int = FRAMES, compute_dtyp
         await h.stop(drain=False)
     fp = info.get("footprint", {})
     loaded, warm = fp.get("loaded", {}), info.get("memory", {})
-    weights = fp.get("talker_bytes", 0) + fp.get("speech_tokenizer_bytes", 0) + fp.get("speaker_encoder_bytes", 0)
+    weights = (
+        fp.get("talker_bytes", 0)
+        + fp.get("speech_tokenizer_bytes", 0)
+        + fp.get("speaker_encoder_bytes", 0)
+    )
     return {
         "rung": rung, "compute_dtype": info.get("compute_dtype"), "quantized_modules": len(info.get("quantized_modules", {})),
         "load_s": info.get("load_s"), "synthesis_s": synth_s, "frames": n,
@@ -239,9 +250,15 @@ def run_memory_bench(rungs=DEFAULT_RUNGS, model: str | None = None, progress=pri
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--variants", default=",".join(DEFAULT_RUNGS))
-    p.add_argument("--model", help="a full-precision checkpoint (default: real-size random weights)")
-    p.add_argument("--compute-dtype", choices=("weights", "float32"), default="weights",
-                   help="the talker's compute dtype (default: the weights' own)")
+    p.add_argument(
+        "--model", help="a full-precision checkpoint (default: real-size random weights)"
+    )
+    p.add_argument(
+        "--compute-dtype",
+        choices=("weights", "float32"),
+        default="weights",
+        help="the talker's compute dtype (default: the weights' own)",
+    )
     p.add_argument("--out")
     args = p.parse_args(argv)
     rungs = [v.strip() for v in args.variants.split(",") if v.strip()]

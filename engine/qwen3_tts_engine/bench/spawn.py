@@ -38,7 +38,9 @@ def run_spawn_bench(args: argparse.Namespace) -> int:
     overheads = asyncio.run(_overheads(model, args.repeats))
     imports = []
     for _ in range(args.repeats):
-        r = subprocess.run([sys.executable, "-c", _IMPORT], capture_output=True, text=True, check=True)
+        r = subprocess.run(
+            [sys.executable, "-c", _IMPORT], capture_output=True, text=True, check=True
+        )
         seconds, modules, livekit = r.stdout.split()
         imports.append((float(seconds), int(modules), livekit == "True"))
     result = {

@@ -149,8 +149,13 @@ def _timing(rec: SwapRecord, plain_load_s: float) -> dict:
 
 async def _mode(model: str, mode: str, plain: dict[str, float], loading_nice: int = LOADING_NICE,
                 idle_reference: bool = False, spare_worker: bool = False) -> dict:  # fmt: skip
-    governor = GovernorConfig(Policy(ladder=("bf16", "8bit")), probe=ManualProbe(), auto=False,
-                              allow_unevaluated=("all",), spare_worker=spare_worker)  # swaps, not quality
+    governor = GovernorConfig(
+        Policy(ladder=("bf16", "8bit")),
+        probe=ManualProbe(),
+        auto=False,
+        allow_unevaluated=("all",),
+        spare_worker=spare_worker,
+    )  # swaps, not quality
     # no frame budget: the streams all run together whatever this machine's speed
     server = build_server(EngineConfig(model, variants=("bf16",), server=ServerConfig(port=0),
                                        governor=governor, frame_budget_s=None))  # fmt: skip
@@ -186,7 +191,9 @@ async def _mode(model: str, mode: str, plain: dict[str, float], loading_nice: in
         mid_report["extra_wait_s"] = (mid.first_audio_s or 0) - (baseline.first_audio_s or 0)
         streaming = speaking.report()
         if idle_gaps.get("p95_chunk_gap_s"):
-            streaming["chunk_gap_p95_vs_idle"] = streaming["p95_chunk_gap_s"] / idle_gaps["p95_chunk_gap_s"]
+            streaming["chunk_gap_p95_vs_idle"] = (
+                streaming["p95_chunk_gap_s"] / idle_gaps["p95_chunk_gap_s"]
+            )
         loaded = {**_timing(rec, plain["8bit"]), "in_flight_stream": streaming,
                   "mid_swap_request": mid_report, "memory_mb": _memory_mb(rec, peak),
                   **({"idle_stream": idle_gaps} if idle_gaps else {})}  # fmt: skip
@@ -247,7 +254,9 @@ def _model(path: str | None) -> str:
     return model
 
 
-def run_nice_comparison(model: str | None, repeats: int, nices: tuple[int, ...], spare: bool = False) -> dict:
+def run_nice_comparison(
+    model: str | None, repeats: int, nices: tuple[int, ...], spare: bool = False
+) -> dict:
     """Make before break under load, per loading niceness: swap latency minus plain load, the
     in-flight stream's p95 chunk interval against the same utterance with no swap, chunks lost."""
     model = _model(model)
@@ -261,7 +270,9 @@ def run_nice_comparison(model: str | None, repeats: int, nices: tuple[int, ...],
         for i in range(repeats):
             for n in nices:  # interleaved: the machine's other load hits both alike
                 print(f"  make-before-break, loading nice {n}, run {i + 1}", file=sys.stderr)
-                m = await _mode(model, MAKE_BEFORE_BREAK, plain, n, idle_reference=True, spare_worker=spare)
+                m = await _mode(
+                    model, MAKE_BEFORE_BREAK, plain, n, idle_reference=True, spare_worker=spare
+                )
                 u = m["under_load"]
                 runs[str(n)].append(entry := {
                     "latency_minus_plain_load_s": u["latency_minus_drain_minus_plain_load_s"],

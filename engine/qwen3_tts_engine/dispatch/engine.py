@@ -30,7 +30,9 @@ class Engine:
     a handler replaced by a make-before-break swap finishes its utterances in `retiring`.
     """
 
-    def __init__(self, model: str, handlers: list[Handler], *, wait_timeout: float = 1800.0) -> None:
+    def __init__(
+        self, model: str, handlers: list[Handler], *, wait_timeout: float = 1800.0
+    ) -> None:
         if not handlers:
             raise ValueError("an engine needs at least one handler")
         self.model = model
@@ -93,7 +95,11 @@ class Engine:
     def validate(self, req: SpeechRequest) -> None:
         """Reject, before any waiting, what no handler here can serve."""
         self._check_names(req)
-        info = self.pick(req).info if req.variant is not None and req.variant != self.pending_variant else self.info
+        info = (
+            self.pick(req).info
+            if req.variant is not None and req.variant != self.pending_variant
+            else self.info
+        )
         if info:  # before the first model has loaded, the worker's own check is the one
             check_request(req, ModelInfo.from_info(info))
 
@@ -120,7 +126,11 @@ class Engine:
         return self.pick(req)
 
     async def stream(
-        self, req: SpeechRequest, *, ref_audio: bytes | None = None, result: Result | None = None,
+        self,
+        req: SpeechRequest,
+        *,
+        ref_audio: bytes | None = None,
+        result: Result | None = None,
         text: TextInput | None = None,
     ) -> AsyncIterator[AudioChunk]:
         """Chunks for `req` from the right handler; a request that a handler let go before it

@@ -103,7 +103,9 @@ class Handler:
         self.compute_dtype = compute_dtype  # as asked (None: its weights' dtype; "auto")
         # the longest a batch step may take (None: no budget, slots = max_batch); by default
         # QWEN3_TTS_FRAME_BUDGET_MS or 80 ms
-        self.frame_budget_s = default_frame_budget() if frame_budget_s == "default" else frame_budget_s
+        self.frame_budget_s = (
+            default_frame_budget() if frame_budget_s == "default" else frame_budget_s
+        )
         self.step_delay_s = step_delay_s  # fault injection (messages.WorkerSpec; set_step_delay)
         self.probe_every_s = probe_every_s  # while requests wait, one over the slots this often
         self.steps = StepModel()
@@ -211,7 +213,9 @@ class Handler:
                 await asyncio.to_thread(spare.close)
             self._proc, parent = spawn_worker(spec, f"qwen3-tts-worker {self.name}")
             if self.nice:  # from its interpreter's start-up on, not only once worker_main runs:
-                renice(self._proc.pid, self.nice, idle=True)  # start-up and imports: most of a load's CPU
+                renice(
+                    self._proc.pid, self.nice, idle=True
+                )  # start-up and imports: most of a load's CPU
         self._conn = parent
         self._control = asyncio.Queue()
         threading.Thread(target=self._read, args=(parent, self._proc), daemon=True).start()
@@ -220,7 +224,9 @@ class Handler:
         except TimeoutError:
             self._kill()
             self.state = "failed"
-            raise HandlerError(f"{self.name}: loading took longer than {self.load_timeout}s") from None
+            raise HandlerError(
+                f"{self.name}: loading took longer than {self.load_timeout}s"
+            ) from None
         if not isinstance(answer, msg.Ready):
             self._kill()
             self.state = "failed"
@@ -240,9 +246,13 @@ class Handler:
         while True:
             try:
                 m = conn.recv()
-            except Exception as e:  # EOF: it exited; anything else: a message cut short (killed mid-send)
+            except (
+                Exception
+            ) as e:  # EOF: it exited; anything else: a message cut short (killed mid-send)
                 if not isinstance(e, EOFError | OSError):
-                    logger.warning("handler %s: unreadable message from its worker: %r", self.name, e)
+                    logger.warning(
+                        "handler %s: unreadable message from its worker: %r", self.name, e
+                    )
                 proc.join(timeout=5)
                 loop.call_soon_threadsafe(self._route, msg.Died(proc.exitcode), proc)
                 return
@@ -326,7 +336,9 @@ class Handler:
         if ok:
             self.nice = value
         else:
-            logger.warning("handler %s: cannot set niceness %d (needs CAP_SYS_NICE)", self.name, value)
+            logger.warning(
+                "handler %s: cannot set niceness %d (needs CAP_SYS_NICE)", self.name, value
+            )
         return ok
 
     async def memory(self) -> dict:
@@ -356,7 +368,11 @@ class Handler:
     # -- synthesis ---------------------------------------------------------------------------
 
     async def synthesize(
-        self, req: SpeechRequest, *, ref_audio: bytes | None = None, result: Result | None = None,
+        self,
+        req: SpeechRequest,
+        *,
+        ref_audio: bytes | None = None,
+        result: Result | None = None,
         text: TextInput | None = None,
     ) -> AsyncIterator[AudioChunk]:
         """Stream audio chunks for `req`. Closing the iterator early cancels the synthesis.
@@ -385,7 +401,9 @@ class Handler:
                 result.variant = self.variant
                 # aclosing: an abandoned stream cancels the worker's synthesis and waits for its
                 # acknowledgement before its slot passes on (not later, when it is collected).
-                async with contextlib.aclosing(self._run(req, ref_audio, result, t0, text)) as chunks:
+                async with contextlib.aclosing(
+                    self._run(req, ref_audio, result, t0, text)
+                ) as chunks:
                     async for chunk in chunks:
                         yield chunk
             finally:
@@ -485,7 +503,9 @@ class Handler:
             try:
                 m = await asyncio.wait_for(inbox.get(), 60)
             except TimeoutError:
-                logger.error("handler %s: no acknowledgement of a cancel; killing the worker", self.name)
+                logger.error(
+                    "handler %s: no acknowledgement of a cancel; killing the worker", self.name
+                )
                 self._kill()
                 return
             if isinstance(m, msg.Died):

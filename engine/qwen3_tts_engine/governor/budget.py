@@ -17,9 +17,17 @@ METRICS: dict[str, tuple[str, str, bool]] = {
     "cb0_top1": ("codebook-0 top-1", "fraction of frames agreeing with reference argmax", True),
     "cp_kl": ("code-predictor KL", "nats/frame, mean over codebooks 1-15", False),
     "cp_top1": ("code-predictor top-1", "fraction agreeing with reference argmax", True),
-    "eos_drift": ("EOS drift", "mean |Δ P(end of speech)| per step along the reference codes", False),
+    "eos_drift": (
+        "EOS drift",
+        "mean |Δ P(end of speech)| per step along the reference codes",
+        False,
+    ),
     "length_ratio": ("length ratio", "candidate / reference frames (ideal 1)", False),
-    "runaway_rate": ("runaway rate", "fraction hitting the token cap where the reference stopped", False),
+    "runaway_rate": (
+        "runaway rate",
+        "fraction hitting the token cap where the reference stopped",
+        False,
+    ),
     "silence_rate": ("silence rate", "fraction of utterances Silero hears as silent", False),
     "first_divergence": ("first divergence", "first frame whose 16 codes differ (same seed)", True),
     "mrstft": ("MR-STFT distance", "spectral convergence + log-magnitude L1", False),
@@ -57,7 +65,6 @@ def evaluate_budget(metrics: dict, budget: dict) -> list[str]:
         if "min" in limits and m < limits["min"]:
             failures.append(f"{name} {m:.3g} < min {limits['min']:.3g}")
     return failures
-
 
 
 def load_budget(path: Path) -> dict:

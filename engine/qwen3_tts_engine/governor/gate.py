@@ -97,7 +97,10 @@ def check_rung(model: str | Path, variant: str, *, start: str | None = None,
     elif verdict is not None:
         accepted, why = False, "stored report fails: " + "; ".join(failures)
     else:
-        accepted, why = False, f"no quality report (run: qwen3-tts eval --reference {model} --candidates {variant})"
+        accepted, why = (
+            False,
+            f"no quality report (run: qwen3-tts eval --reference {model} --candidates {variant})",
+        )
     check = {"variant": variant, "accepted": accepted, "why": why, "report": verdict}
     if verdict is not None and not Path(str(model)).expanduser().is_dir():
         if resolve(str(model), variant).quantize_with is None:

@@ -191,7 +191,9 @@ class Governor:
         model_dir = Path(self.engine.model).expanduser()
         if not model_dir.is_dir():
             return rungs, {}
-        return rungs, checkpoint_weight_bytes(model_dir, rungs, self.engine.active.loaded_compute_dtype)
+        return rungs, checkpoint_weight_bytes(
+            model_dir, rungs, self.engine.active.loaded_compute_dtype
+        )
 
     async def settle(self) -> None:
         """Wait until the handlers that swaps replaced have finished their work and stopped."""
@@ -253,7 +255,9 @@ class Governor:
         return await self._swap(decision.target, decision.direction, decision.cause,
                                 decision.reason, None)  # fmt: skip
 
-    async def request(self, variant: str, *, mode: str = "auto", pin: bool = True) -> SwapRecord | None:
+    async def request(
+        self, variant: str, *, mode: str = "auto", pin: bool = True
+    ) -> SwapRecord | None:
         """An operator's swap. "auto" unpins (the policy decides again); None: nothing to swap."""
         if mode not in MODES:
             raise ValueError(f"unknown swap mode {mode!r}; one of {', '.join(MODES)}")
@@ -400,7 +404,9 @@ class Governor:
         rec.latency_s = self.clock() - t0
         self.state = after_swap(self.state, self.clock())
         if new is not None:
-            self.footprints.observe(new.variant, new.info.get("memory", {}), new.info.get("footprint"))
+            self.footprints.observe(
+                new.variant, new.info.get("memory", {}), new.info.get("footprint")
+            )
         if rec.ok:
             logger.info("variant swap %s -> %s (%s, %s, %s) serving after %.2fs: %s",
                         rec.from_variant, rec.to_variant, rec.direction, rec.mode, rec.cause,

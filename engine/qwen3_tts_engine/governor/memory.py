@@ -119,7 +119,7 @@ def parse_mountinfo(text: str) -> list[Mount]:
 def _under_mount(mount: Mount, cgroup_path: str) -> Path:
     # Without a cgroup namespace the mount shows some ancestor (mount.root) of our path.
     root = mount.root.rstrip("/")
-    rel = cgroup_path[len(root):] if cgroup_path.startswith(root) else ""
+    rel = cgroup_path[len(root) :] if cgroup_path.startswith(root) else ""
     return Path(mount.mount_point) / rel.lstrip("/")
 
 

@@ -89,7 +89,7 @@ def effective_ladder(ladder: Sequence[str], start: str) -> tuple[str, ...]:
         bits = nominal_bits(start)
         at = next((i for i, v in enumerate(rungs) if nominal_bits(v) < bits), len(rungs))
         rungs.insert(at, start)
-    return tuple(rungs[rungs.index(start):])
+    return tuple(rungs[rungs.index(start) :])
 
 
 def effective_pressure(policy: Policy, reading: MemoryReading) -> float:
@@ -106,8 +106,12 @@ def observe(policy: Policy, state: PolicyState, pressure: float, now: float) -> 
     below = pressure < policy.upgrade_at
     return replace(
         state,
-        above_since=(state.above_since if state.above_since is not None else now) if above else None,
-        below_since=(state.below_since if state.below_since is not None else now) if below else None,
+        above_since=(state.above_since if state.above_since is not None else now)
+        if above
+        else None,
+        below_since=(state.below_since if state.below_since is not None else now)
+        if below
+        else None,
     )
 
 
@@ -179,7 +183,9 @@ def decide(
         target = ladder[pos - 1]
         held = now - state.below_since
         if held < policy.upgrade_hold_s or cooling:
-            note = "cooling down" if cooling else f"holding ({held:.1f}s of {policy.upgrade_hold_s}s)"
+            note = (
+                "cooling down" if cooling else f"holding ({held:.1f}s of {policy.upgrade_hold_s}s)"
+            )
             return None, replace(state, note=f"up to {target}: {note}")
         cur_fp, tgt_fp = footprints.get(current), footprints.get(target)
         if not fits(reading, cur_fp, tgt_fp, policy):

@@ -45,4 +45,8 @@ def recipe_digest(recipe: Recipe) -> str:
 
 
 def quantized_cache_dir(src: Path, recipe: Recipe) -> Path:
-    return cache_root() / "quantized" / f"{source_digest(src)[:16]}-{recipe.name}-{recipe_digest(recipe)}"
+    return (
+        cache_root()
+        / "quantized"
+        / f"{source_digest(src)[:16]}-{recipe.name}-{recipe_digest(recipe)}"
+    )

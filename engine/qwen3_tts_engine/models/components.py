@@ -17,14 +17,24 @@ from qwen3_tts_engine.models.recipes import (
     component_rule,
 )
 
-__all__ = ["COMPONENTS", "EMBEDDING_COMPONENTS", "all_but", "check_components", "everything", "only",
-           "protect"]
+__all__ = [
+    "COMPONENTS",
+    "EMBEDDING_COMPONENTS",
+    "all_but",
+    "check_components",
+    "everything",
+    "only",
+    "protect",
+]
 
 
 def check_components(names: Collection[str]) -> None:
     """ValueError naming any of `names` that is not a component."""
     if unknown := [c for c in names if c not in COMPONENTS]:
-        raise ValueError(f"unknown component(s) {', '.join(unknown)}; components: {', '.join(COMPONENTS)}")
+        raise ValueError(
+            f"unknown component(s) {', '.join(unknown)}; components: {', '.join(COMPONENTS)}"
+        )
+
 
 def only(component: str, bits: int, group_size: int = 64) -> Recipe:
     """Only `component` quantized, everything else in full precision."""
@@ -37,7 +47,11 @@ def _embeddings(bits: int, group_size: int, but: list[str],
                 among: Collection[str] = EMBEDDING_COMPONENTS) -> tuple[Rule, ...]:  # fmt: skip
     """Rules that put the embeddings `among` (except `but`) at `bits`: default bits never reach
     them."""
-    return tuple(component_rule(c, bits, group_size) for c in EMBEDDING_COMPONENTS if c in among and c not in but)
+    return tuple(
+        component_rule(c, bits, group_size)
+        for c in EMBEDDING_COMPONENTS
+        if c in among and c not in but
+    )
 
 
 def everything(bits: int, group_size: int = 64) -> Recipe:

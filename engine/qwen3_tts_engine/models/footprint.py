@@ -42,7 +42,12 @@ def estimate_weight_bytes(tensors: Tensors, recipe: Recipe, num_talker_layers: i
     for name, (shape, dtype) in tensors.items():
         n, size = math.prod(shape), DTYPE_BYTES.get(dtype, 2)
         module = name.removesuffix(".weight")
-        if compute_dtype and dtype in FLOATS and name.startswith("talker.") and "embedding" not in module:
+        if (
+            compute_dtype
+            and dtype in FLOATS
+            and name.startswith("talker.")
+            and "embedding" not in module
+        ):
             size = COMPUTE_BYTES[compute_dtype]
         if name.endswith(".weight") and module in plan:
             bits, group = plan[module]
@@ -132,7 +137,9 @@ class Footprints:
         if not known:
             return None
         # Conservative: the largest estimate over the measured variants.
-        return max(self.measured[m] + self.weight_bytes[variant] - self.weight_bytes[m] for m in known)
+        return max(
+            self.measured[m] + self.weight_bytes[variant] - self.weight_bytes[m] for m in known
+        )
 
     def as_dict(self, variants: Iterable[str]) -> dict:
         return {v: {"bytes": self.get(v), "measured": v in self.measured,

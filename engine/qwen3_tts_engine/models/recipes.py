@@ -96,17 +96,27 @@ _LAYER = r"^talker\.model\.layers\.\d+\."
 
 # name -> (pattern, talker-layer range or None, description)
 COMPONENTS: dict[str, tuple[str, tuple[int, int] | None, str]] = {
-    "talker-attention": (_LAYER + r"self_attn\.", None, "q/k/v/o projections of every talker layer"),
+    "talker-attention": (
+        _LAYER + r"self_attn\.",
+        None,
+        "q/k/v/o projections of every talker layer",
+    ),
     "talker-mlp": (_LAYER + r"mlp\.", None, "gate/up/down projections of every talker layer"),
     "talker-first-layer": (_LAYER, (0, 0), "all projections of talker layer 0"),
     "talker-last-layer": (_LAYER, (-1, -1), "all projections of the last talker layer"),
     "codec-head": (r"^talker\.codec_head$", None, "the talker's codebook-0 head"),
     "text-projection": (r"^talker\.text_projection\.", None, "text-embedding projection MLP"),
     "code-predictor": (CODE_PREDICTOR, None, "the 15-head code predictor (not its embeddings)"),
-    "text-embedding": (TEXT_EMBEDDING, None, "the 151936-token text embedding (~620 MB in bf16 "
-                       "of the 0.6B)"),
-    "codec-embedding": (CODEC_EMBEDDINGS, None, "the codebook embeddings of the talker and the "
-                        "code predictor"),
+    "text-embedding": (
+        TEXT_EMBEDDING,
+        None,
+        "the 151936-token text embedding (~620 MB in bf16 of the 0.6B)",
+    ),
+    "codec-embedding": (
+        CODEC_EMBEDDINGS,
+        None,
+        "the codebook embeddings of the talker and the code predictor",
+    ),
 }
 EMBEDDING_COMPONENTS = ("text-embedding", "codec-embedding")
 
@@ -116,9 +126,10 @@ def component_rule(component: str, bits: int | None, group_size: int = 64) -> Ru
     try:
         pattern, layers, _ = COMPONENTS[component]
     except KeyError:
-        raise ValueError(f"unknown component {component!r}; components: {', '.join(COMPONENTS)}") from None
+        raise ValueError(
+            f"unknown component {component!r}; components: {', '.join(COMPONENTS)}"
+        ) from None
     return Rule(pattern, bits, group_size, layers)
-
 
 
 def quantization_plan(
@@ -142,11 +153,12 @@ def _uniform(bits: int) -> Recipe:
     return Recipe(f"{bits}bit", bits, description=f"every Linear at {bits} bits (affine, group 64)")
 
 
-
-
 def _with_embeddings(bits: int, text_bits: int, codec_bits: int, name: str) -> Recipe:
-    both = f"the text and codec embeddings at {text_bits} bits" if text_bits == codec_bits else \
-        f"the text embedding at {text_bits} bits, the codec embeddings at {codec_bits}"
+    both = (
+        f"the text and codec embeddings at {text_bits} bits"
+        if text_bits == codec_bits
+        else f"the text embedding at {text_bits} bits, the codec embeddings at {codec_bits}"
+    )
     return Recipe(name, bits, rules=(Rule(TEXT_EMBEDDING, text_bits), Rule(CODEC_EMBEDDINGS, codec_bits)),
                   description=f"every Linear at {bits} bits, {both}")  # fmt: skip
 
@@ -173,11 +185,14 @@ RECIPES: dict[str, Recipe] = {
     # The codec embeddings are small (~70 MB in bf16 of the 0.6B) and at 4 bits cost more
     # quality than the text embedding does (docs/quantization.md): 8 bits for them.
     "4bit-temb4-cemb8-voc16": replace(
-        _with_embeddings(4, 4, 8, "4bit-temb4-cemb8-voc16"), vocoder_dtype="bfloat16",
+        _with_embeddings(4, 4, 8, "4bit-temb4-cemb8-voc16"),
+        vocoder_dtype="bfloat16",
         description="every Linear and the text embedding at 4 bits, the codec embeddings at 8, "
-                    "the vocoder in bfloat16 (not float32)"),
+        "the vocoder in bfloat16 (not float32)",
+    ),
     "4bit-emb4-voc16": replace(
-        _with_embeddings(4, 4, 4, "4bit-emb4-voc16"), vocoder_dtype="bfloat16",
+        _with_embeddings(4, 4, 4, "4bit-emb4-voc16"),
+        vocoder_dtype="bfloat16",
         description="every Linear and embedding at 4 bits, the vocoder in bfloat16 (not float32)",
     ),
 }
@@ -214,7 +229,9 @@ def _bits(value, where: str) -> int | None:
     if value is None or value in ("bf16", "none"):
         return None
     if type(value) is not int or value not in VALID_BITS:
-        raise ValueError(f"{where}: bits must be one of {VALID_BITS} or null (full precision), got {value!r}")
+        raise ValueError(
+            f"{where}: bits must be one of {VALID_BITS} or null (full precision), got {value!r}"
+        )
     return value
 
 
@@ -282,7 +299,9 @@ def load_recipe(spec: str) -> Recipe:
         return RECIPES[spec]
     path = Path(spec).expanduser()
     if not path.is_file():
-        raise ValueError(f"{spec!r} is neither a built-in recipe ({', '.join(RECIPES)}) nor a recipe file")
+        raise ValueError(
+            f"{spec!r} is neither a built-in recipe ({', '.join(RECIPES)}) nor a recipe file"
+        )
     text = path.read_text()
     try:
         if path.suffix in (".yaml", ".yml"):

@@ -91,7 +91,9 @@ def ablate(
     progress("ranking (damage of 'only this' = cb0 KL + cp KL): " + ", ".join(
         f"{r['component']} {r['damage_only']:.4g}" for r in ranking))  # fmt: skip
     if propose and donor is None:
-        report["ablation"]["proposal"] = _propose(ref, report, ranking, bits, group_size, keep_bits, progress)
+        report["ablation"]["proposal"] = _propose(
+            ref, report, ranking, bits, group_size, keep_bits, progress
+        )
     return report
 
 
@@ -101,7 +103,9 @@ def _propose(ref: Reference, report: dict, ranking: list[dict], bits: int, group
     tried = []
     for n in range(len(ranking) + 1):
         kept = [r["component"] for r in ranking[:n]]
-        recipe = protect(kept, bits, group_size, keep_bits, _embeddings([r["component"] for r in ranking]))
+        recipe = protect(
+            kept, bits, group_size, keep_bits, _embeddings([r["component"] for r in ranking])
+        )
         sub = evaluate(ref.path, [Candidate(recipe.name, recipe=recipe)], ref.settings,
                        progress=progress, reference=ref)["candidates"][0]  # fmt: skip
         report["candidates"].append(sub)

@@ -97,17 +97,20 @@ def build(
     details: dict = {}
     skip: frozenset[str] = frozenset()
     if candidate.method == "gptq":
-
         if calibrate is None:
             raise ValueError("GPTQ needs calibration data")
         plan = recipe_plan(model, candidate.recipe)
         paths = sorted({p for c in candidate.gptq for p in component_paths(model, c)} & set(plan))
         if not paths:
-            raise ValueError(f"recipe {candidate.recipe.name} quantizes no module of {candidate.gptq}")
+            raise ValueError(
+                f"recipe {candidate.recipe.name} quantizes no module of {candidate.gptq}"
+            )
         stats = []
         for bits, group in sorted({plan[p] for p in paths}):
             same = [p for p in paths if plan[p] == (bits, group)]
-            stats += apply_gptq(model, same, calibrate, bits=bits, group_size=group, progress=progress)
+            stats += apply_gptq(
+                model, same, calibrate, bits=bits, group_size=group, progress=progress
+            )
         details["gptq"] = stats
         skip = frozenset(paths)
     details["plan"] = apply_recipe(model, candidate.recipe, skip=skip)

@@ -62,7 +62,9 @@ def _settings(args):
     try:
         seeds = tuple(int(s) for s in _csv(args.seeds))
     except ValueError:
-        raise ValueError(f"--seeds must be integers separated by commas, got {args.seeds!r}") from None
+        raise ValueError(
+            f"--seeds must be integers separated by commas, got {args.seeds!r}"
+        ) from None
     if not seeds or min(seeds) < 0:
         raise ValueError("--seeds needs at least one seed, each >= 0")
     for name in ("max_new_tokens", "calibration_frames"):
@@ -108,7 +110,9 @@ def _candidate_specs(specs: list[str], gptq: list[str]) -> list[dict]:
     linear = [c for c in COMPONENTS if c not in EMBEDDING_COMPONENTS]  # GPTQ solves for matmuls
     bad = [c for c in gptq if c not in linear]
     if bad:
-        raise ValueError(f"unknown --gptq component(s) {', '.join(bad)}; GPTQ components: {', '.join(linear)}")
+        raise ValueError(
+            f"unknown --gptq component(s) {', '.join(bad)}; GPTQ components: {', '.join(linear)}"
+        )
     out = []
     for spec in specs:
         path = Path(spec).expanduser()
@@ -170,7 +174,9 @@ def _summary(report: dict, paths: dict, stored: list[Path]) -> dict:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    specs = _candidate_specs(_csv(args.candidates), _csv(args.gptq))  # bad input fails before any work
+    specs = _candidate_specs(
+        _csv(args.candidates), _csv(args.gptq)
+    )  # bad input fails before any work
     settings = _settings(args)
     reference = _reference(args.reference)
     from qwen3_tts_engine.governor import gate
@@ -232,7 +238,9 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         return 0
     print("rank  component            damage(only)  damage(all but)")
     for i, r in enumerate(report["ablation"]["ranking"], 1):
-        print(f"{i:>4}  {r['component']:<20} {r['damage_only']:>12.4g}  {r['damage_all_but']:>15.4g}")
+        print(
+            f"{i:>4}  {r['component']:<20} {r['damage_only']:>12.4g}  {r['damage_all_but']:>15.4g}"
+        )
     if proposal:
         print(f"\nproposed recipe: {paths.get('recipe', proposal.get('note'))}")
     return _finish(args, report, paths, [], markdown_table)
@@ -312,8 +320,12 @@ def _add_eval_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--voice")
     p.add_argument("--language", default="auto")
     p.add_argument("--instructions", help="voice description (VoiceDesign checkpoints need one)")
-    p.add_argument("--audio-items", type=int, default=2,
-                   help="items decoded to audio for silence/CER/decoder metrics (default 2)")
+    p.add_argument(
+        "--audio-items",
+        type=int,
+        default=2,
+        help="items decoded to audio for silence/CER/decoder metrics (default 2)",
+    )
     p.add_argument("--calibration-frames", type=int, help="frame cap per GPTQ calibration text")
     p.add_argument("--budget", help="JSON/YAML: metric -> {max: x} and/or {min: x}")
     p.add_argument("--out", help="report folder (default out/<command>-<time>)")
@@ -327,7 +339,9 @@ def add_parsers(sub) -> None:
     q = sub.add_parser("quantize", help="write a quantized checkpoint from a recipe (RTN or GPTQ)")
     q.add_argument("model", help="full-precision checkpoint dir or hub id")
     q.add_argument("out", help="output checkpoint folder")
-    q.add_argument("--recipe", required=True, help="built-in recipe name or a .json/.yaml recipe file")
+    q.add_argument(
+        "--recipe", required=True, help="built-in recipe name or a .json/.yaml recipe file"
+    )
     q.add_argument("--gptq", help=f"components quantized with GPTQ instead of RTN ({comps})")
     q.add_argument("--calibration-frames", type=int, help="frame cap per calibration text")
     q.add_argument("--force", action="store_true", help="replace a non-empty OUT folder")
@@ -335,19 +349,29 @@ def add_parsers(sub) -> None:
     q.set_defaults(fn=cmd_quantize)
 
     e = sub.add_parser("eval", help="quality of quantized candidates against a bf16 reference")
-    e.add_argument("--candidates", default="8bit,6bit,4bit,talker-mlp-w4,keep-code-predictor",
-                   help="recipe names, recipe files or checkpoint dirs, comma-separated")
+    e.add_argument(
+        "--candidates",
+        default="8bit,6bit,4bit,talker-mlp-w4,keep-code-predictor",
+        help="recipe names, recipe files or checkpoint dirs, comma-separated",
+    )
     e.add_argument("--gptq", help=f"also a GPTQ twin of each recipe for these components ({comps})")
-    e.add_argument("--no-store", action="store_true",
-                   help="do not store verdicts for the governor's quality gate")
+    e.add_argument(
+        "--no-store",
+        action="store_true",
+        help="do not store verdicts for the governor's quality gate",
+    )
     _add_eval_options(e)
     e.set_defaults(fn=cmd_eval)
 
     a = sub.add_parser("ablate", help="rank components by quantization damage, propose a recipe")
     a.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
     a.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
-    a.add_argument("--keep-bits", default="8", choices=["8", "6", "bf16"],
-                   help="precision of the components a proposal protects (default 8)")
+    a.add_argument(
+        "--keep-bits",
+        default="8",
+        choices=["8", "6", "bf16"],
+        help="precision of the components a proposal protects (default 8)",
+    )
     a.add_argument("--donor", help="instead of RTN: graft modules from this checkpoint")
     a.add_argument("--components", help=f"subset of: {comps}")
     _add_eval_options(a)

@@ -80,14 +80,20 @@ class Item:
 class Reference:
     """The reference model's codes, distributions and (some) audio for every (text, seed)."""
 
-    def __init__(self, path: Path, settings: EvalSettings, *, progress: Callable[[str], None] = logger.info):
+    def __init__(
+        self, path: Path, settings: EvalSettings, *, progress: Callable[[str], None] = logger.info
+    ):
         self.path = Path(path)
         self.settings = settings
         self.model = load_dir(self.path)
         self.sample_rate = self.model.sample_rate
         self.items: list[Item] = []
         t0 = time.perf_counter()
-        reqs = [settings.request(self.model, text, seed) for text in settings.texts for seed in settings.seeds]
+        reqs = [
+            settings.request(self.model, text, seed)
+            for text in settings.texts
+            for seed in settings.seeds
+        ]
         for req, (codes, cap) in zip(reqs, generate_codes_batched(self.model, reqs), strict=True):
             self.items.append(Item(req, codes, cap, teacher_forced(self.model, req, codes)))
         for item in self.items[: settings.audio_items]:
@@ -102,7 +108,8 @@ class Reference:
         """The sampler settings every free run used (the model's generation defaults)."""
         req = self.settings.request(self.model, "x", 0)
         options = self.model._resolve_generation_options(
-            req.temperature, None, req.top_k, req.top_p, req.repetition_penalty)
+            req.temperature, None, req.top_k, req.top_p, req.repetition_penalty
+        )
         return {k: options[k] for k in ("temperature", "top_k", "top_p", "repetition_penalty")}
 
     def calibration(self) -> list[tuple[SpeechRequest, np.ndarray]]:
@@ -150,7 +157,10 @@ class Reference:
     def noise_floor(self) -> dict[str, list]:
         """The reference against itself from other seeds: free-running and audio metrics."""
         per_item: dict[str, list] = {}
-        reqs = [replace(item.req, seed=item.req.seed + self.settings.noise_seed_offset) for item in self.items]
+        reqs = [
+            replace(item.req, seed=item.req.seed + self.settings.noise_seed_offset)
+            for item in self.items
+        ]
         runs = generate_codes_batched(self.model, reqs)
         for item, (codes, cap) in zip(self.items, runs, strict=True):
             row = compare_runs(item.codes, codes, cap, item.hit_cap)
@@ -208,7 +218,9 @@ def audio_metrics(model, item: Item, codes: np.ndarray, decoder_identical: bool,
 
 def summarize(per_item: dict[str, list], n_boot: int = 2000) -> tuple[dict, dict]:
     """Bootstrap summaries of the scalar metrics; per-head code-predictor KL separately."""
-    metrics = {k: bootstrap_ci(v, n_boot=n_boot) for k, v in per_item.items() if k != "cp_kl_per_head"}
+    metrics = {
+        k: bootstrap_ci(v, n_boot=n_boot) for k, v in per_item.items() if k != "cp_kl_per_head"
+    }
     heads = per_item.get("cp_kl_per_head") or []
     per_head = {"cp_kl": np.mean(heads, axis=0).tolist()} if heads and len(heads[0]) else {}
     return metrics, per_head
@@ -247,25 +259,40 @@ def evaluate(
     report = {
         "schema": SCHEMA,
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "reference": {"path": str(ref.path), "digest": source_digest(ref.path), "recipe": "bf16",
-                      "weight_bytes": ref.weight_bytes,
-                      "frames": [len(i.codes) for i in ref.items],
-                      "hit_cap": [i.hit_cap for i in ref.items]},  # fmt: skip
-        "texts": list(settings.texts), "seeds": list(settings.seeds),
-        "settings": {"max_new_tokens": settings.max_new_tokens, "voice": settings.voice,
-                     "language": settings.language, "audio_items": settings.audio_items,
-                     "noise_seed_offset": settings.noise_seed_offset, "n_boot": settings.n_boot,
-                     "calibration_texts": list(settings.calibration_texts),
-                     "calibration_frames": settings.calibration_frames,
-                     "sampling": ref.sampling_options(), "versions": versions()},  # fmt: skip
-        "budget": settings.budget, "noise_floor": noise, "candidates": [],
+        "reference": {
+            "path": str(ref.path),
+            "digest": source_digest(ref.path),
+            "recipe": "bf16",
+            "weight_bytes": ref.weight_bytes,
+            "frames": [len(i.codes) for i in ref.items],
+            "hit_cap": [i.hit_cap for i in ref.items],
+        },  # fmt: skip
+        "texts": list(settings.texts),
+        "seeds": list(settings.seeds),
+        "settings": {
+            "max_new_tokens": settings.max_new_tokens,
+            "voice": settings.voice,
+            "language": settings.language,
+            "audio_items": settings.audio_items,
+            "noise_seed_offset": settings.noise_seed_offset,
+            "n_boot": settings.n_boot,
+            "calibration_texts": list(settings.calibration_texts),
+            "calibration_frames": settings.calibration_frames,
+            "sampling": ref.sampling_options(),
+            "versions": versions(),
+        },  # fmt: skip
+        "budget": settings.budget,
+        "noise_floor": noise,
+        "candidates": [],
     }
     donors: dict = {}
     for i, cand in enumerate(candidates, 1):
         t0 = time.perf_counter()
         model, details = build(cand, ref.path, calibrate=ref.calibrate, donors=donors)
         if details.get("plan") == {}:
-            progress(f"note: {cand.name} quantizes no module of this checkpoint (its widths or depth)")
+            progress(
+                f"note: {cand.name} quantizes no module of this checkpoint (its widths or depth)"
+            )
         entry = candidate_entry(ref, cand, model, details, ref.measure(model))
         entry["eval_s"] = time.perf_counter() - t0
         report["candidates"].append(entry)

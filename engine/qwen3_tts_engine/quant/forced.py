@@ -23,7 +23,9 @@ from qwen3_tts_engine.worker.text_track import TextTrack
 
 @dataclass
 class Forced:
-    cb0: np.ndarray  # [T+1, allowed] log-probabilities of codebook 0 (last row: after the last frame)
+    cb0: (
+        np.ndarray
+    )  # [T+1, allowed] log-probabilities of codebook 0 (last row: after the last frame)
     cp: np.ndarray  # [T, 15, vocab] log-probabilities of the code-predictor heads
     eos: np.ndarray  # [T+1] probability of the end-of-speech token
 

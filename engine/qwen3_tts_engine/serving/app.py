@@ -51,7 +51,9 @@ class EngineServer:
         self.config = config or ServerConfig()
         self.metrics = Metrics()
         self.governor = governor
-        auth = auth_middleware(ROUTE_RULES, self.config.api_key, self.config.operator_key, self._refused)
+        auth = auth_middleware(
+            ROUTE_RULES, self.config.api_key, self.config.operator_key, self._refused
+        )
         self.app = web.Application(client_max_size=self.config.max_body_bytes,
                                    middlewares=[self._errors, auth])  # fmt: skip
         # the routes are adapters over one speech service; the operator's read the engine
@@ -114,7 +116,6 @@ class EngineServer:
                 err = RequestError(e.reason or "error", status=e.status)
                 return web.json_response(err.to_json(), status=e.status)
             raise
-
 
 
 async def serve_forever(server: EngineServer) -> None:

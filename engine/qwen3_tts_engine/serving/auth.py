@@ -42,7 +42,9 @@ def authorized(header: str | None, api_key: str | None, operator_key: str | None
 PUBLIC, API, OPERATOR = "public", "api", "operator"
 
 
-def refusal(header: str | None, need: str, api_key: str | None, operator_key: str | None) -> RequestError | None:
+def refusal(
+    header: str | None, need: str, api_key: str | None, operator_key: str | None
+) -> RequestError | None:
     """Why a request with this Authorization `header` may not call a route that needs `need`
     (None: it may). The one place a 401 or 403 is decided."""
     if need == PUBLIC:
@@ -71,7 +73,9 @@ def auth_middleware(rules: dict[str, str], api_key: str | None, operator_key: st
         if resource is None:  # no such route: aiohttp's 404/405
             return await handler(request)
         need = rules.get(f"{request.method} {resource.canonical}", API)
-        if (why := refusal(request.headers.get("Authorization"), need, api_key, operator_key)) is not None:
+        if (
+            why := refusal(request.headers.get("Authorization"), need, api_key, operator_key)
+        ) is not None:
             return refused(why)
         return await handler(request)
 
@@ -95,6 +99,8 @@ def exposure_problem(host: str, api_key: str | None, operator_key: str | None) -
     if is_loopback(host) or api_key:
         return None
     what = "an operator key only" if operator_key else "no API key"
-    return (f"refusing to listen on {host} with {what}: anyone who can reach it could synthesize "
-            f"and read the engine's status. Set {API_KEY_ENV} (clients send it as a bearer token), "
-            "listen on 127.0.0.1, or pass --insecure-no-auth if an open engine is what you mean")
+    return (
+        f"refusing to listen on {host} with {what}: anyone who can reach it could synthesize "
+        f"and read the engine's status. Set {API_KEY_ENV} (clients send it as a bearer token), "
+        "listen on 127.0.0.1, or pass --insecure-no-auth if an open engine is what you mean"
+    )

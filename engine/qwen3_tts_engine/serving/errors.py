@@ -34,5 +34,9 @@ MAPPED: tuple[type[Exception], ...] = (RequestError, *(kind for kind, _ in _STAT
 
 def error_response(err: Exception, *, retry_after_s: int | None = None) -> web.Response:
     e = as_request_error(err)
-    headers = {"Retry-After": str(retry_after_s)} if retry_after_s and e.status in RETRY_STATUSES else None
+    headers = (
+        {"Retry-After": str(retry_after_s)}
+        if retry_after_s and e.status in RETRY_STATUSES
+        else None
+    )
     return web.json_response(e.to_json(), status=e.status, headers=headers)

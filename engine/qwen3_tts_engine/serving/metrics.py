@@ -69,13 +69,17 @@ class Metrics:
         m = ["model_name"]
         self.running = Gauge("qwen3_tts_requests_running", "Streams admitted and not finished", m,
                              registry=r)  # fmt: skip
-        self.waiting = Gauge("qwen3_tts_requests_waiting", "Requests queued for a slot", m, registry=r)
+        self.waiting = Gauge(
+            "qwen3_tts_requests_waiting", "Requests queued for a slot", m, registry=r
+        )
         self.max_batch = Gauge("qwen3_tts_max_batch", "Configured batch rows", m, registry=r)
         self.slots = Gauge("qwen3_tts_slots", "Streams kept in real time now (measured step time "
                            "vs the frame budget)", m, registry=r)  # fmt: skip
         self.free_slots = Gauge("qwen3_tts_free_slots", "Slots neither running nor promised to a "
                                 "waiting request (0 unless serving)", m, registry=r)  # fmt: skip
-        self.accepting = Gauge("qwen3_tts_accepting", "1 while new requests are taken", m, registry=r)
+        self.accepting = Gauge(
+            "qwen3_tts_accepting", "1 while new requests are taken", m, registry=r
+        )
         self.state = Gauge("qwen3_tts_state", "1 for the engine's state", [*m, "state"], registry=r)
         self.underruns = Counter("qwen3_tts_underruns", "Chunks made after the moment their "
                                  "listener needed them", m, registry=r)  # fmt: skip
@@ -117,4 +121,6 @@ class Metrics:
         self._underruns_seen[model] = max(seen, load.underruns)
         self.vllm_running.labels(model).set(load.running)
         self.vllm_waiting.labels(model).set(load.waiting)
-        self.vllm_kv_usage.labels(model).set(min(1.0, load.running / load.slots) if load.slots else 0.0)
+        self.vllm_kv_usage.labels(model).set(
+            min(1.0, load.running / load.slots) if load.slots else 0.0
+        )

@@ -59,9 +59,13 @@ class OperatorRoutes:
         h = self.engine.active
         # Not ready before the governor has fixed its ladder (the quality gate hashes checkpoints).
         started = self.governor is None or self.governor.started
-        body = ReadyStatus(ready=h.state == "ready" and self.engine.serving and started,
-                           variant=h.variant, state=h.state, queue_depth=h.queue_depth,
-                           swapping=self.governor is not None and self.governor.swapping is not None)
+        body = ReadyStatus(
+            ready=h.state == "ready" and self.engine.serving and started,
+            variant=h.variant,
+            state=h.state,
+            queue_depth=h.queue_depth,
+            swapping=self.governor is not None and self.governor.swapping is not None,
+        )
         return web.json_response(body.to_json(), status=200 if body.ready else 503)
 
     def load_report(self) -> LoadReport:
@@ -78,11 +82,15 @@ class OperatorRoutes:
 
     async def models(self, request: web.Request) -> web.Response:
         info = self.engine.active.info
-        card = ModelCard(id=self.engine.model, tts_model_type=info.get("tts_model_type"),
-                         voices=info.get("voices", []), languages=info.get("languages", []),
-                         variants=list(self.engine.handlers),
-                         active_variant=self.engine.active.variant,
-                         voice_aliases=voice_aliases(self.engine, self.config))
+        card = ModelCard(
+            id=self.engine.model,
+            tts_model_type=info.get("tts_model_type"),
+            voices=info.get("voices", []),
+            languages=info.get("languages", []),
+            variants=list(self.engine.handlers),
+            active_variant=self.engine.active.variant,
+            voice_aliases=voice_aliases(self.engine, self.config),
+        )
         return web.json_response({"object": "list", "data": [card.to_json()]})
 
     async def status(self, request: web.Request) -> web.Response:
@@ -128,9 +136,11 @@ class OperatorRoutes:
         except (ValueError, FileNotFoundError) as e:
             return error_response(RequestError(str(e), param="variant"))
         status = 200 if record is None or record.ok else 503
-        change = VariantChange(active_variant=self.engine.active.variant,
-                               pinned=self.governor.pinned,
-                               swap=record.as_dict() if record else None)
+        change = VariantChange(
+            active_variant=self.engine.active.variant,
+            pinned=self.governor.pinned,
+            swap=record.as_dict() if record else None,
+        )
         return web.json_response(change.to_json(), status=status)
 
     async def set_fault(self, request: web.Request) -> web.Response:
@@ -142,7 +152,11 @@ class OperatorRoutes:
         except (json.JSONDecodeError, UnicodeDecodeError):
             return error_response(RequestError("request body is not valid JSON"))
         delay = body.get("step_delay_ms") if isinstance(body, dict) else None
-        if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay <= MAX_FAULT_STEP_DELAY_MS:
+        if (
+            isinstance(delay, bool)
+            or not isinstance(delay, int | float)
+            or not 0 <= delay <= MAX_FAULT_STEP_DELAY_MS
+        ):
             return error_response(RequestError("body must be {\"step_delay_ms\": 0.."
                                                f"{MAX_FAULT_STEP_DELAY_MS}}}", param="step_delay_ms"))  # fmt: skip
         handlers = self.engine.all_handlers()

@@ -24,7 +24,9 @@ def resolve_ref_audio(value: str | None, allowed_dir: Path | None, max_bytes: in
         return None
     lowered = value[:16].lower()
     if "://" in value[:32] or lowered.startswith("file:"):
-        raise RequestError("ref_audio URLs are not fetched; send base64 audio data", param="ref_audio")
+        raise RequestError(
+            "ref_audio URLs are not fetched; send base64 audio data", param="ref_audio"
+        )
 
     if value.startswith("data:"):
         header, _, payload = value.partition(",")
@@ -42,9 +44,13 @@ def _decode(payload: str, max_bytes: int) -> bytes:
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise RequestError("ref_audio is neither valid base64 nor an allowed file", param="ref_audio") from None
+        raise RequestError(
+            "ref_audio is neither valid base64 nor an allowed file", param="ref_audio"
+        ) from None
     if len(data) > max_bytes:
-        raise RequestError(f"ref_audio is larger than {max_bytes} bytes", param="ref_audio", status=413)
+        raise RequestError(
+            f"ref_audio is larger than {max_bytes} bytes", param="ref_audio", status=413
+        )
     if not _looks_like_audio(data):
         raise RequestError("ref_audio is not WAV, FLAC, Ogg or MP3 data", param="ref_audio")
     return data
@@ -67,7 +73,9 @@ def _read_allowed(name: str, allowed_dir: Path | None, max_bytes: int) -> bytes:
     if not target.is_file():
         raise RequestError(f"ref_audio file {name!r} does not exist", param="ref_audio", status=404)
     if target.stat().st_size > max_bytes:
-        raise RequestError(f"ref_audio is larger than {max_bytes} bytes", param="ref_audio", status=413)
+        raise RequestError(
+            f"ref_audio is larger than {max_bytes} bytes", param="ref_audio", status=413
+        )
     data = target.read_bytes()
     if not _looks_like_audio(data):
         raise RequestError("ref_audio file is not WAV, FLAC, Ogg or MP3 data", param="ref_audio")

@@ -76,7 +76,9 @@ class SpeechService:
         req.text_start_tokens = req.text_start_tokens or self.config.text_start_tokens
         req.text_pace = req.text_pace or self.config.text_pace
         self.engine.validate(req)
-        ref = resolve_ref_audio(req.ref_audio, self.config.ref_audio_dir, self.config.limits.max_ref_audio_bytes)
+        ref = resolve_ref_audio(
+            req.ref_audio, self.config.ref_audio_dir, self.config.limits.max_ref_audio_bytes
+        )
         req.ref_audio = None  # the worker gets the bytes, not the encoded string
         return req, ref
 
@@ -128,5 +130,9 @@ class SpeechService:
         start = end - int(total * 1e9)
         queued = start + int(min(result.queue_wait_s, total) * 1e9)
         attrs = {"qwen3_tts.variant": str(result.variant)}
-        tracer.start_span("qwen3_tts.queue", start_time=start, attributes=attrs).end(end_time=queued)
-        tracer.start_span("qwen3_tts.synthesis", start_time=queued, attributes=attrs).end(end_time=end)
+        tracer.start_span("qwen3_tts.queue", start_time=start, attributes=attrs).end(
+            end_time=queued
+        )
+        tracer.start_span("qwen3_tts.synthesis", start_time=queued, attributes=attrs).end(
+            end_time=end
+        )

@@ -187,7 +187,9 @@ class _Session:
             try:
                 message = await self.ws.receive(timeout=timeout)
             except TimeoutError:
-                raise SessionEnd(RequestError(self._idle_reason(), status=408, code="idle_timeout")) from None
+                raise SessionEnd(
+                    RequestError(self._idle_reason(), status=408, code="idle_timeout")
+                ) from None
             if message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
                 return
             self.messages += 1
@@ -292,7 +294,9 @@ class _Session:
         check_text(text, "text")  # each piece, as it comes: the worker's tokenizer never sees it
         if self.text.ended:
             raise SessionEnd(RequestError("input_text.append after input_text.end"))
-        check_length(self.text.chars + len(text), self.config.limits)  # over all pieces, as POST's `input`
+        check_length(
+            self.text.chars + len(text), self.config.limits
+        )  # over all pieces, as POST's `input`
         self.text.append(text)
         if text:
             self._begin()
@@ -368,7 +372,9 @@ class _Session:
         """One frame, whole; a client that stops reading ends the session after the timeout."""
         async with self._send_lock:
             try:
-                async with asyncio.timeout(self.config.ws_send_timeout_s):  # (wait_for: see handler.py)
+                async with asyncio.timeout(
+                    self.config.ws_send_timeout_s
+                ):  # (wait_for: see handler.py)
                     await coro
             except TimeoutError:
                 raise ClientGone("the client stopped reading (send timed out)") from None

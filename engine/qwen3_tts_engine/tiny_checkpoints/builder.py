@@ -132,7 +132,9 @@ _CORPUS_REPEATS = 8
 _ROLE_WORDS = ("assistant", "user", "system")
 
 
-def _talker_config(variant: str, talker_layers: int, intermediate_size: int = 128) -> dict[str, Any]:
+def _talker_config(
+    variant: str, talker_layers: int, intermediate_size: int = 128
+) -> dict[str, Any]:
     languages = dict(_LANGUAGES)
     if variant == "custom_voice":
         languages.update(_DIALECTS)
@@ -692,8 +694,12 @@ def write_tiny_checkpoint(
         raise ValueError(f"bits must be one of {QUANT_BITS} or None, got {bits!r}")
     if group_size not in (32, 64):
         raise ValueError("group_size must be 32 or 64 (the tiny layers are 64 or 128 wide)")
-    config = tiny_config(variant, talker_layers=talker_layers, tts_model_size=tts_model_size,
-                         talker_intermediate_size=talker_intermediate_size)
+    config = tiny_config(
+        variant,
+        talker_layers=talker_layers,
+        tts_model_size=tts_model_size,
+        talker_intermediate_size=talker_intermediate_size,
+    )
     st_config = _speech_tokenizer_config()
 
     out = Path(out_dir)
@@ -712,6 +718,7 @@ def write_tiny_checkpoint(
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
     if bits is not None:
+
         def predicate(path, module):  # mlx_audio.convert's base_quant_requirements
             return (
                 hasattr(module, "weight")
@@ -762,7 +769,9 @@ def write_tiny_checkpoint(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Write a tiny random Qwen3-TTS checkpoint.")
     p.add_argument("out")
-    p.add_argument("--variant", default="custom_voice", choices=("custom_voice", "voice_design", "base"))
+    p.add_argument(
+        "--variant", default="custom_voice", choices=("custom_voice", "voice_design", "base")
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eos", default="never", choices=("never", "random", "text"))
     args = p.parse_args(argv)

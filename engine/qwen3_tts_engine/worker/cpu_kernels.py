@@ -40,7 +40,11 @@ class MatmulConv1d(nn.Conv1d):
             return super().__call__(x)
         if self.padding:
             x = mx.pad(x, [(0, 0), (self.padding, self.padding), (0, 0)])
-        cols = x if k == 1 else mx.concatenate([x[:, i * d : i * d + frames] for i in range(k)], axis=-1)
+        cols = (
+            x
+            if k == 1
+            else mx.concatenate([x[:, i * d : i * d + frames] for i in range(k)], axis=-1)
+        )
         y = cols @ self.weight.reshape(cout, k * cin).T
         return y + self.bias if "bias" in self else y
 
@@ -56,10 +60,14 @@ class MatmulConvTranspose1d(nn.ConvTranspose1d):
         w = self.weight if n * s == k else mx.pad(self.weight, [(0, 0), (0, n * s - k), (0, 0)])
         b, length, _ = x.shape
         # taps[b, t, j, c]: what input frame t gives output sample t * s + j
-        taps = (x @ w.transpose(1, 0, 2).reshape(n * s * cout, cin).T).reshape(b, length, n * s, cout)
+        taps = (x @ w.transpose(1, 0, 2).reshape(n * s * cout, cin).T).reshape(
+            b, length, n * s, cout
+        )
         y = None
         for j in range(n):  # piece j of frame t lands on output block t + j
-            piece = mx.pad(taps[:, :, j * s : (j + 1) * s], [(0, 0), (j, n - 1 - j), (0, 0), (0, 0)])
+            piece = mx.pad(
+                taps[:, :, j * s : (j + 1) * s], [(0, 0), (j, n - 1 - j), (0, 0), (0, 0)]
+            )
             y = piece if y is None else y + piece
         y = y.reshape(b, (length + n - 1) * s, cout)[:, : (length - 1) * s + k]
         if self.padding:

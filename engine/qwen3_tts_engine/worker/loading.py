@@ -69,10 +69,14 @@ def quantizable_modules(model) -> list[tuple[str, int]]:
 
 def recipe_plan(model, recipe: Recipe) -> dict[str, tuple[int, int]]:
     """Module path -> (bits, group size) that `recipe` gives a model's modules."""
-    return quantization_plan(recipe, quantizable_modules(model), model.config.talker_config.num_hidden_layers)
+    return quantization_plan(
+        recipe, quantizable_modules(model), model.config.talker_config.num_hidden_layers
+    )
 
 
-def apply_recipe(model, recipe: Recipe, *, skip: frozenset[str] = frozenset()) -> dict[str, tuple[int, int]]:
+def apply_recipe(
+    model, recipe: Recipe, *, skip: frozenset[str] = frozenset()
+) -> dict[str, tuple[int, int]]:
     """Quantize `model` in place (round to nearest) as `recipe` says; returns the plan.
 
     Paths in `skip` are left alone (e.g. already quantized by GPTQ) but stay in the plan.
@@ -118,7 +122,9 @@ def save_quantized(model, src: Path, dst: Path, plan: dict, recipe: Recipe, *,
         raise ValueError(f"recipe {recipe.name!r} quantizes no module of {src}")
     config = json.loads((src / "config.json").read_text())
     # A model from mlx-audio's loader also holds the vocoder, which lives in speech_tokenizer/.
-    weights = {k: v for k, v in tree_flatten(model.parameters()) if not k.startswith("speech_tokenizer.")}
+    weights = {
+        k: v for k, v in tree_flatten(model.parameters()) if not k.startswith("speech_tokenizer.")
+    }
     for key in tqdm(list(weights), desc=f"quantizing ({recipe.name})", unit="tensor",
                     disable=not progress, leave=False):  # fmt: skip
         mx.eval(weights[key])
@@ -127,8 +133,9 @@ def save_quantized(model, src: Path, dst: Path, plan: dict, recipe: Recipe, *,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for item in src.iterdir():
-        if item.name == "config.json" or (item.is_file() and item.name.endswith(
-                (".safetensors", ".safetensors.index.json"))):  # the weights are rewritten whole
+        if item.name == "config.json" or (
+            item.is_file() and item.name.endswith((".safetensors", ".safetensors.index.json"))
+        ):  # the weights are rewritten whole
             continue
         (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
     mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -214,7 +221,9 @@ def resolve_compute_dtype(dtype: str | None) -> str | None:
     return "float32" if on_cpu() else None
 
 
-def load_checkpoint(path: Path, *, keep_encoder: bool | None = None, compute_dtype: str | None = None):
+def load_checkpoint(
+    path: Path, *, keep_encoder: bool | None = None, compute_dtype: str | None = None
+):
     """A local Qwen3-TTS checkpoint as an mlx-audio Model with its tokenizers.
 
     The steps of mlx-audio's `load_model`, except that quantized embeddings load (mlx-audio's own

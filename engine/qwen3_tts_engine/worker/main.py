@@ -104,7 +104,9 @@ def batching_stats(scheduler, active: int) -> dict:
         "max_batch": scheduler.max_batch,
         "step_s_p50": _percentile(scheduler.step_s, 50),
         "step_s_p95": _percentile(scheduler.step_s, 95),
-        "batch_occupancy": round(sum(sizes) / len(sizes) / scheduler.max_batch, 4) if sizes else None,
+        "batch_occupancy": round(sum(sizes) / len(sizes) / scheduler.max_batch, 4)
+        if sizes
+        else None,
         "kv_bytes": scheduler.kv_bytes(),
         "kv_bytes_per_stream": scheduler.kv_bytes() // max(1, len(scheduler.rows)),
         "steps": len(sizes),

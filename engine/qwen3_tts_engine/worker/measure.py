@@ -42,6 +42,8 @@ def kv_bytes_per_frame(model) -> int:
     if st is not None:
         d = st.config.decoder_config
         head_dim = getattr(d, "head_dim", d.hidden_size // d.num_attention_heads)
-        size = next((v.dtype.size for k, v in tree_flatten(st.parameters()) if "pre_transformer" in k), 4)
+        size = next(
+            (v.dtype.size for k, v in tree_flatten(st.parameters()) if "pre_transformer" in k), 4
+        )
         vocoder = d.num_hidden_layers * 2 * d.num_key_value_heads * head_dim * size
     return talker + vocoder

@@ -77,7 +77,9 @@ class BatchSampler:
         top_p = np.array([p.top_p if 0 < p.top_p < 1 else 1.0 for p in params], np.float32)
         self.top_p = mx.array(top_p)[:, None]
         self.use_top_p = bool((top_p < 1).any())
-        self.penalty = mx.array(np.array([p.repetition_penalty for p in params], np.float32))[:, None]
+        self.penalty = mx.array(np.array([p.repetition_penalty for p in params], np.float32))[
+            :, None
+        ]
 
     def sample(self, logits: mx.array, uniform: mx.array, *, suppress: mx.array | None = None,
                presence: mx.array | None = None) -> mx.array:  # fmt: skip
@@ -96,7 +98,9 @@ class BatchSampler:
         if self.pool < self.vocab:
             # the pool in id order (temperature does not change which ids are the largest), then
             # each row's k-th largest value in it; [B, vocab] sees one argpartition and no more
-            ids = mx.argpartition(logits, kth=self.vocab - self.pool, axis=-1)[:, self.vocab - self.pool :]
+            ids = mx.argpartition(logits, kth=self.vocab - self.pool, axis=-1)[
+                :, self.vocab - self.pool :
+            ]
             ids = mx.sort(ids, axis=-1)
             candidates = mx.take_along_axis(logits, ids, axis=-1).astype(mx.float32) * self.inv_temp
             descending = -mx.sort(-candidates, axis=-1)
@@ -105,7 +109,9 @@ class BatchSampler:
         else:
             candidates = logits.astype(mx.float32) * self.inv_temp
         for k, rows in self.vocab_top_k:
-            kth = mx.partition(candidates, kth=self.vocab - k, axis=-1)[:, self.vocab - k : self.vocab - k + 1]
+            kth = mx.partition(candidates, kth=self.vocab - k, axis=-1)[
+                :, self.vocab - k : self.vocab - k + 1
+            ]
             candidates = mx.where(rows & (candidates < kth), -mx.inf, candidates)
         if self.use_top_p:
             # as mlx-lm's apply_top_p: keep the ids whose ascending cumulative mass exceeds 1-p

@@ -196,7 +196,11 @@ class Scheduler:
         params = SamplingParams(options["temperature"], options["top_k"], options["top_p"], penalty)
         # Sentence by sentence in the "prompt" layout (the prompt holds a sentence: first audio
         # does not wait for the rest); dual-track takes the text one token per frame anyway.
-        sentences = split_input(req.input) if split and mode == "prompt" and not req.text_stream else [req.input]
+        sentences = (
+            split_input(req.input)
+            if split and mode == "prompt" and not req.text_stream
+            else [req.input]
+        )
         stream = Stream(stream_id, req, voice, ref_audio, params, _new_key(req.seed),
                         keep_codes=keep_codes, decode=decode,
                         stats=stats if stats is not None else SynthesisStats(),
@@ -485,7 +489,9 @@ class Scheduler:
         for group in range(self.groups - 1):
             if group > 0:
                 code_input = predictor.codec_embedding[group - 1](codes[-1])
-            code_logits, code_cache, _ = predictor(code_input, cache=code_cache, generation_step=group)
+            code_logits, code_cache, _ = predictor(
+                code_input, cache=code_cache, generation_step=group
+            )
             codes.append(code_sampler.sample(code_logits[:, -1, :], uniforms[:, group + 1]))
         codec_embed = embed_codec(token)
         for i, code in enumerate(codes[1:]):
@@ -531,14 +537,20 @@ class Scheduler:
                 if s.vocoder is None:
                     s.vocoder = new_stream(self.model.speech_tokenizer.decoder)
                 items.append((s.vocoder, mx.stack(s.pending, axis=0).T[None]))  # [1, 16, n]
-            for s, wav in zip(decoding, decode_steps(self.model.speech_tokenizer.decoder, items), strict=True):
+            for s, wav in zip(
+                decoding, decode_steps(self.model.speech_tokenizer.decoder, items), strict=True
+            ):
                 audio[id(s)] = wav
             mx.eval(*audio.values())
         now = time.perf_counter()
         for s in ready:
             codes = np.array(mx.stack(s.pending, axis=0))
             wav = audio.get(id(s))
-            samples = np.array(wav.astype(mx.float32), copy=False) if wav is not None else np.zeros(0, np.float32)
+            samples = (
+                np.array(wav.astype(mx.float32), copy=False)
+                if wav is not None
+                else np.zeros(0, np.float32)
+            )
             events.append(Event(s, "chunk", Chunk(samples, len(s.pending), now - s.chunk_started,
                                                   codes if s.keep_codes or not s.decode else None)))  # fmt: skip
             s.stats.chunk_frames.append(len(s.pending))

@@ -39,7 +39,9 @@ def stream_chunks(
     evaluations that compare codes. `should_stop()` is asked before every frame.
     """
     scheduler = Scheduler(model, max_batch=1)
-    scheduler.add("solo", req, ref_audio=ref_audio, keep_codes=keep_codes, decode=decode, stats=stats)
+    scheduler.add(
+        "solo", req, ref_audio=ref_audio, keep_codes=keep_codes, decode=decode, stats=stats
+    )
     while True:
         if should_stop():
             scheduler.cancel("solo")

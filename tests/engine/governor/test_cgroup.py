@@ -48,6 +48,7 @@ class Cgroup:
     @classmethod
     def create(cls, limit: int) -> Cgroup:
         """A fresh child of this process's memory cgroup, or pytest.skip with the reason."""
+
         def skip(reason: str):
             print(f"SKIP test_governor_cgroup: {reason}")
             pytest.skip(reason)
@@ -161,7 +162,9 @@ def test_real_memory_pressure_makes_the_engine_step_down(tiny_checkpoint):
             status = c.get("/v1/engine/status").json()
             g = status["governor"]
             assert g["pressure"]["source"] == cg.kind and g["pressure"]["detail"] == str(cg.path)
-            assert g["ladder"] == ["bf16", "4bit", BOTTOM] and g["pressure"]["pressure"] < DOWNGRADE_AT
+            assert (
+                g["ladder"] == ["bf16", "4bit", BOTTOM] and g["pressure"]["pressure"] < DOWNGRADE_AT
+            )
             fp = status["handlers"][0]["footprint"]  # what the worker's memory is made of
             assert fp["process_bytes"] > fp["talker_bytes"] > 0 and fp["runtime_bytes"] > 0
 
@@ -187,14 +190,21 @@ def test_real_memory_pressure_makes_the_engine_step_down(tiny_checkpoint):
             for n in (1, 2):
                 variant(g["active_variant"])
                 g = c.get("/v1/engine/status").json()["governor"]
-                while g["pressure"]["pressure"] < PRESSURE and int(cg.usage_file.read_text()) < 0.9 * LIMIT:
+                while (
+                    g["pressure"]["pressure"] < PRESSURE
+                    and int(cg.usage_file.read_text()) < 0.9 * LIMIT
+                ):
                     ballast.stdin.write("16\n")
                     ballast.stdin.flush()
                     grown = int(ballast.stdout.readline())
                     time.sleep(0.05)
                     g = c.get("/v1/engine/status").json()["governor"]
                     assert engine.poll() is None and ballast.poll() is None
-                assert g["pressure"]["pressure"] >= DOWNGRADE_AT and not g["history"][n - 1 :] and g["pinned"], g
+                assert (
+                    g["pressure"]["pressure"] >= DOWNGRADE_AT
+                    and not g["history"][n - 1 :]
+                    and g["pinned"]
+                ), g
                 variant("auto")
                 while len(g["history"]) < n and g["swapping"] is None:
                     time.sleep(0.05)
@@ -225,7 +235,9 @@ def test_real_memory_pressure_makes_the_engine_step_down(tiny_checkpoint):
         assert [(r["from_variant"], r["to_variant"], r["ok"]) for r in g["history"]] == [
             ("bf16", "4bit", True), ("4bit", BOTTOM, True), (BOTTOM, "4bit", True)]  # fmt: skip
         for rec in down:
-            assert rec["reading"]["source"] == cg.kind and rec["reading"]["pressure"] >= DOWNGRADE_AT
+            assert (
+                rec["reading"]["source"] == cg.kind and rec["reading"]["pressure"] >= DOWNGRADE_AT
+            )
             # Both workers would not have fit: the old one was stopped before the new one loaded.
             assert rec["mode"] == "break-before-make"
             before, after = rec["memory_before"], rec["memory_after"]
@@ -236,7 +248,10 @@ def test_real_memory_pressure_makes_the_engine_step_down(tiny_checkpoint):
         assert down[1]["memory_after"]["active_mlx_active_bytes"] < \
             down[1]["memory_before"]["active_mlx_active_bytes"] - 15 * MB  # fmt: skip
         assert up["direction"] == "up" and up["cause"] == "recovered"
-        assert up["memory_after"]["active_mlx_active_bytes"] > up["memory_before"]["active_mlx_active_bytes"]
+        assert (
+            up["memory_after"]["active_mlx_active_bytes"]
+            > up["memory_before"]["active_mlx_active_bytes"]
+        )
         assert cg.oom_kills() == 0 and engine.poll() is None
     finally:
         _stop(ballast)

@@ -47,7 +47,11 @@ def test_check_rung_reasons(evaluated, tiny_checkpoint):
     bad = gate.check_rung(evaluated, "4bit")
     assert not bad["accepted"] and bad["why"].startswith("stored report fails: cp_kl")
     missing = gate.check_rung(evaluated, "6bit")
-    assert not missing["accepted"] and "no quality report" in missing["why"] and missing["report"] is None
+    assert (
+        not missing["accepted"]
+        and "no quality report" in missing["why"]
+        and missing["report"] is None
+    )
     assert gate.check_rung(evaluated, "4bit", consent=frozenset({"4bit"}))["accepted"]
     assert gate.check_rung(evaluated, "6bit", consent=frozenset({"all"}))["accepted"]
     assert gate.check_rung(evaluated, "4bit", start="4bit")["accepted"]  # the operator started it
@@ -59,8 +63,12 @@ def test_check_rung_reasons(evaluated, tiny_checkpoint):
     assert gate.lookup(evaluated, RECIPES["8bit"]) is not None
     assert gate.lookup(evaluated, replace(RECIPES["8bit"], default_group_size=32)) is None
     with pytest.raises(ValueError, match="unknown variant"):
-        Governor(Engine(str(evaluated), [Handler(str(evaluated), "bf16")]), ManualProbe(),
-                 Policy(ladder=LADDER), allow_unevaluated=("8bti",))
+        Governor(
+            Engine(str(evaluated), [Handler(str(evaluated), "bf16")]),
+            ManualProbe(),
+            Policy(ladder=LADDER),
+            allow_unevaluated=("8bti",),
+        )
 
 
 async def _status(model: str, consent: tuple[str, ...]) -> dict:
@@ -70,7 +78,9 @@ async def _status(model: str, consent: tuple[str, ...]) -> dict:
     server = EngineServer(engine, ServerConfig(port=0), governor)
     await server.start()
     try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=60) as client:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{server.port}", timeout=60
+        ) as client:
             r = await client.get("/v1/engine/status")
             assert r.status_code == 200
             return r.json()["governor"]

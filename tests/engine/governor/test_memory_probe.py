@@ -124,7 +124,9 @@ def test_no_limit_anywhere_falls_back_to_the_host(tmp_path):
     cgroup, mountinfo = _proc(tmp_path, "4:memory:/a\n0::/a\n")
     linux = detect_probe(proc_cgroup=cgroup, mountinfo=mountinfo, platform="linux")
     assert type(linux) is SystemProbe
-    assert type(detect_probe(proc_cgroup=cgroup, mountinfo=mountinfo, platform="darwin")) is MacOSProbe
+    assert (
+        type(detect_probe(proc_cgroup=cgroup, mountinfo=mountinfo, platform="darwin")) is MacOSProbe
+    )
     r = linux.read()
     assert r.source == "system" and 0 < r.used_bytes < r.limit_bytes and 0 < r.pressure < 1
 

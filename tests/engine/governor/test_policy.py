@@ -101,7 +101,9 @@ def test_the_kernel_warning_level_counts_as_pressure():
 
 def test_no_move_past_either_end_of_the_ladder():
     policy = Policy(downgrade_hold_s=0, upgrade_hold_s=0)
-    assert decide(policy, PolicyState(), reading(0.99), policy.ladder[-1], FOOTPRINTS, 0.0)[0] is None
+    assert (
+        decide(policy, PolicyState(), reading(0.99), policy.ladder[-1], FOOTPRINTS, 0.0)[0] is None
+    )
     assert decide(policy, PolicyState(), reading(0.01), "bf16", FOOTPRINTS, 0.0)[0] is None
 
 
@@ -117,7 +119,9 @@ def test_the_default_ladder_ends_at_the_rung_that_shrinks_embeddings_and_vocoder
 
     ladder = Policy().ladder
     assert ladder[0] == "bf16" and ladder[-1] == "4bit-emb4-voc16"
-    assert [nominal_bits(v) for v in ladder] == sorted((nominal_bits(v) for v in ladder), reverse=True)
+    assert [nominal_bits(v) for v in ladder] == sorted(
+        (nominal_bits(v) for v in ladder), reverse=True
+    )
     assert RECIPES[ladder[-1]].vocoder_dtype == "bfloat16"
 
 
@@ -245,7 +249,9 @@ def test_checkpoint_weight_bytes_from_safetensors_headers(tiny_checkpoint):
 
     rungs = ["bf16", "8bit", "4bit", "4bit-emb8", "4bit-emb4", "4bit-emb4-voc16"]
     sizes = checkpoint_weight_bytes(tiny_checkpoint("custom_voice"), rungs)
-    assert [sizes[v] for v in rungs] == sorted(sizes.values(), reverse=True) and sizes["4bit-emb4-voc16"] > 0
+    assert [sizes[v] for v in rungs] == sorted(sizes.values(), reverse=True) and sizes[
+        "4bit-emb4-voc16"
+    ] > 0
     assert len(set(sizes.values())) == len(rungs)  # each rung saves something
     assert checkpoint_weight_bytes(tiny_checkpoint("custom_voice", bits=4), ["bf16"]) == {}
 
@@ -287,9 +293,13 @@ async def test_the_governor_estimates_rungs_in_the_dtype_auto_resolved_to(tiny_c
         await governor.start()
         expected = "float32" if on_cpu() else None
         assert handler.compute_dtype == "auto" and handler.loaded_compute_dtype == expected
-        assert governor.footprints.weight_bytes == checkpoint_weight_bytes(path, ["bf16", "4bit"], expected)
+        assert governor.footprints.weight_bytes == checkpoint_weight_bytes(
+            path, ["bf16", "4bit"], expected
+        )
         if expected:  # the cast shows in the estimate
-            assert governor.footprints.weight_bytes != checkpoint_weight_bytes(path, ["bf16", "4bit"])
+            assert governor.footprints.weight_bytes != checkpoint_weight_bytes(
+                path, ["bf16", "4bit"]
+            )
     finally:
         await governor.stop()
         await engine.stop()

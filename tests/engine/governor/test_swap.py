@@ -41,7 +41,9 @@ def body(frames: int, seed: int = 1, stream: bool = True) -> dict:
 
 async def start_server(model, probe, policy, max_batch: int = 8, **governor_kw) -> EngineServer:
     engine = Engine(str(model), [Handler(str(model), policy.ladder[0], max_batch=max_batch)])
-    governor = Governor(engine, probe, policy, interval_s=0.05, allow_unevaluated=("all",), **governor_kw)
+    governor = Governor(
+        engine, probe, policy, interval_s=0.05, allow_unevaluated=("all",), **governor_kw
+    )
     server = EngineServer(engine, ServerConfig(port=0, api_key=API_KEY), governor)
     await server.start()
     return server
@@ -156,10 +158,15 @@ async def test_pressure_steps_down_while_an_utterance_streams_and_back_up(tiny_c
             assert [h["to_variant"] for h in g["history"]] == ["8bit", "4bit", "8bit", "bf16"]
             assert all(h["latency_s"] > 0 and h["reason"] for h in g["history"])
             metrics = (await c.get("/metrics")).text
-            assert 'qwen3_tts_variant_swaps_total{direction="down",mode="make-before-break",' \
-                   'reason="pressure",result="ok"} 2.0' in metrics
+            assert (
+                'qwen3_tts_variant_swaps_total{direction="down",mode="make-before-break",'
+                'reason="pressure",result="ok"} 2.0' in metrics
+            )
             assert 'qwen3_tts_active_variant{variant="4bit"} 0.0' in metrics
-            assert "qwen3_tts_memory_pressure" in metrics and "qwen3_tts_variant_swap_seconds" in metrics
+            assert (
+                "qwen3_tts_memory_pressure" in metrics
+                and "qwen3_tts_variant_swap_seconds" in metrics
+            )
         finally:
             await server.stop()
 
@@ -208,7 +215,9 @@ async def test_break_before_make_swaps_without_a_failed_request(tight):
         assert r.variant == "8bit" and len(r.pcm) == 4 * FRAME_SAMPLES * 2
     # the drain waited for the speaking utterances: in order, on one clock, their last audio
     # came before the first audio of the variant that could start only once bf16 had stopped
-    assert max(speaking.times[-1], alongside.times[-1]) < min(r.times[0] for r in (queued, *arriving))
+    assert max(speaking.times[-1], alongside.times[-1]) < min(
+        r.times[0] for r in (queued, *arriving)
+    )
     assert server.engine.handlers.keys() == {"8bit"} and not server.engine.retiring
 
 
@@ -220,7 +229,9 @@ async def test_operator_override_http_and_cli(tight, caplog):
         assert (await c.post("/v1/engine/variant", json={"variant": "4bit"})).status_code == 401
         bad = await c.post("/v1/engine/variant", json={"variant": "2bit"}, headers=AUTH)
         assert bad.status_code == 400 and "valid variants" in bad.json()["error"]["message"]
-        bad = await c.post("/v1/engine/variant", json={"variant": "4bit", "mode": "x"}, headers=AUTH)
+        bad = await c.post(
+            "/v1/engine/variant", json={"variant": "4bit", "mode": "x"}, headers=AUTH
+        )
         assert bad.status_code == 400
 
         # An utterance as long as the engine allows (4096 frames: minutes of compute for the tiny
@@ -236,7 +247,11 @@ async def test_operator_override_http_and_cli(tight, caplog):
                                  json={"variant": "4bit", "mode": "make-before-break"})  # fmt: skip
                 assert r.status_code == 200, r.text
                 swap = r.json()["swap"]
-                assert (swap["to_variant"], swap["cause"], r.json()["pinned"]) == ("4bit", "manual", "4bit")
+                assert (swap["to_variant"], swap["cause"], r.json()["pinned"]) == (
+                    "4bit",
+                    "manual",
+                    "4bit",
+                )
                 with pytest.raises(httpx.HTTPError):
                     await speaking.done()
         finally:
@@ -264,7 +279,9 @@ async def test_a_spare_worker_becomes_the_next_variant_and_is_replaced(tiny_chec
     way hands it the new variant (the new handler's worker is that process), a new spare is
     started once the old worker retired, and stopping ends every one of them."""
     model = tiny_checkpoint("custom_voice")
-    server = await start_server(model, ManualProbe(), Policy(ladder=("bf16", "8bit")), spare_worker=True)
+    server = await start_server(
+        model, ManualProbe(), Policy(ladder=("bf16", "8bit")), spare_worker=True
+    )
     governor, pids = server.governor, []
     try:
         first = governor._spare
@@ -279,7 +296,9 @@ async def test_a_spare_worker_becomes_the_next_variant_and_is_replaced(tiny_chec
                              json={"variant": "8bit", "mode": "make-before-break"})  # fmt: skip
             assert r.status_code == 200, r.text
             await speaking.done()
-        assert speaking.status == 200 and len(speaking.pcm) == 12 * FRAME_SAMPLES * 2  # nothing lost
+        assert (
+            speaking.status == 200 and len(speaking.pcm) == 12 * FRAME_SAMPLES * 2
+        )  # nothing lost
         assert server.engine.active.variant == "8bit" and server.engine.active.pid == first.pid
         await governor.settle()
         second = governor._spare
@@ -288,18 +307,26 @@ async def test_a_spare_worker_becomes_the_next_variant_and_is_replaced(tiny_chec
         assert psutil.Process(first.pid).nice() == 0  # it serves at the normal priority
     finally:
         await server.stop()
-    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert not [
+        pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+    ]
 
 
-async def test_a_failed_swap_keeps_serving_and_replaces_the_spare_it_used(tiny_checkpoint, tmp_path, monkeypatch):
+async def test_a_failed_swap_keeps_serving_and_replaces_the_spare_it_used(
+    tiny_checkpoint, tmp_path, monkeypatch
+):
     """The weights on disk go bad while the engine serves: a swap's new worker (the spare) fails
     to load, the old variant serves on, and a new spare is started for the next swap."""
     import shutil
 
     model = tmp_path / "model"
     shutil.copytree(tiny_checkpoint("custom_voice"), model)
-    monkeypatch.setenv("QWEN3_TTS_CACHE", str(tmp_path / "cache"))  # no quantized copy to fall back on
-    server = await start_server(model, ManualProbe(), Policy(ladder=("bf16", "8bit")), spare_worker=True)
+    monkeypatch.setenv(
+        "QWEN3_TTS_CACHE", str(tmp_path / "cache")
+    )  # no quantized copy to fall back on
+    server = await start_server(
+        model, ManualProbe(), Policy(ladder=("bf16", "8bit")), spare_worker=True
+    )
     governor, pids = server.governor, [server.engine.active.pid]
     try:
         first = governor._spare
@@ -320,7 +347,9 @@ async def test_a_failed_swap_keeps_serving_and_replaces_the_spare_it_used(tiny_c
         assert await asyncio.to_thread(second.wait_ready, 120)
     finally:
         await server.stop()
-    assert not [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert not [
+        pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+    ]
 
 
 def test_renice_sets_every_thread_of_a_process():
@@ -340,7 +369,10 @@ def test_renice_sets_every_thread_of_a_process():
             assert psutil.Process(proc.pid).nice() == 0
         if hasattr(os, "SCHED_IDLE") and can_raise_priority():  # a loading worker: idle-scheduled
             assert renice(proc.pid, 10, idle=True)
-            assert all(os.sched_getscheduler(t.id) == os.SCHED_IDLE for t in psutil.Process(proc.pid).threads())
+            assert all(
+                os.sched_getscheduler(t.id) == os.SCHED_IDLE
+                for t in psutil.Process(proc.pid).threads()
+            )
             assert renice(proc.pid, 0)  # serving: the normal policy and priority again
             assert all(os.sched_getscheduler(t.id) == os.SCHED_OTHER and psutil.Process(t.id).nice() == 0
                        for t in psutil.Process(proc.pid).threads())  # fmt: skip

@@ -110,7 +110,9 @@ async def test_text_sent_during_a_swap_gap_is_spoken_whole_by_the_new_variant(
             await _until(lambda: not engine.serving)
             held = await s.ws_connect(SPEECH_STREAM_PATH, protocols=(SPEECH_STREAM_SUBPROTOCOL,))
             await held.send_json(START)
-            await held.send_json({"type": "input_text.append", "text": "Spoken "})  # its stream begins
+            await held.send_json(
+                {"type": "input_text.append", "text": "Spoken "}
+            )  # its stream begins
             await _until(lambda: engine.gap_waiting == 1)
             for piece in ("after the ", "swap, whole."):
                 await held.send_json({"type": "input_text.append", "text": piece})

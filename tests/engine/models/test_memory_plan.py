@@ -55,7 +55,9 @@ def bf16_bytes(tensors) -> dict[str, int]:
     return {name: math.prod(shape) * 2 for name, (shape, _) in tensors.items()}
 
 
-ROWS = [(v, None) for v in sorted(plan.MEASURED)] + [(v, "float32") for v in sorted(plan.MEASURED_FLOAT32)]
+ROWS = [(v, None) for v in sorted(plan.MEASURED)] + [
+    (v, "float32") for v in sorted(plan.MEASURED_FLOAT32)
+]
 
 
 def measured(variant: str, compute_dtype: str | None) -> plan.Measurement:
@@ -67,7 +69,9 @@ def test_weights_match_what_the_real_size_bench_loaded(real, variant, compute_dt
     root, vocoder, layers = real
     m, recipe = measured(variant, compute_dtype), get_recipe(variant)
     # the bench reports 0.1 MB
-    assert estimate_weight_bytes(root, recipe, layers, compute_dtype) == pytest.approx(m.talker, abs=0.06 * MB)
+    assert estimate_weight_bytes(root, recipe, layers, compute_dtype) == pytest.approx(
+        m.talker, abs=0.06 * MB
+    )
     assert vocoder_bytes(vocoder, recipe) == pytest.approx(m.vocoder, abs=0.06 * MB)
 
 
@@ -79,7 +83,12 @@ def test_the_model_covers_each_measured_rung_closely(real, variant, compute_dtyp
     m, est = measured(variant, compute_dtype), memory(real, variant, compute_dtype)
     for key in ("after_load", "after", "loading", "speaking"):
         got, want = getattr(est, key), getattr(m, key)
-        assert want - 0.15 * MB <= got <= want * (1.1 if compute_dtype else 1.02), (variant, key, got / MB, want / MB)
+        assert want - 0.15 * MB <= got <= want * (1.1 if compute_dtype else 1.02), (
+            variant,
+            key,
+            got / MB,
+            want / MB,
+        )
 
 
 def test_the_bottom_rung_takes_at_most_40_percent_of_bf16_between_utterances(real):
@@ -99,7 +108,9 @@ def test_the_bottom_rung_takes_at_most_40_percent_of_bf16_between_utterances(rea
     if bottom in plan.MEASURED:
         ml, mh = plan.MEASURED[bottom], plan.MEASURED["bf16"]
         measured = {k: getattr(ml, k) / getattr(mh, k) for k in keys[1:]}
-        assert measured["after_load"] <= STEADY_RATIO and measured["after"] <= STEADY_RATIO, measured
+        assert measured["after_load"] <= STEADY_RATIO and measured["after"] <= STEADY_RATIO, (
+            measured
+        )
         assert measured["speaking"] <= PEAK_RATIO and measured["loading"] <= LOAD_RATIO, measured
 
 
@@ -111,7 +122,10 @@ def test_computing_in_float32_the_bottom_rung_takes_at_most_35_percent_of_bf16(r
     for key in ("after_load", "after", "speaking"):
         assert getattr(low, key) / getattr(high, key) <= CPU_DEFAULT_RATIO, key
     ml, mh = plan.MEASURED_FLOAT32[bottom], plan.MEASURED_FLOAT32["bf16"]
-    assert max(ml.after_load / mh.after_load, ml.after / mh.after, ml.speaking / mh.speaking) <= CPU_DEFAULT_RATIO
+    assert (
+        max(ml.after_load / mh.after_load, ml.after / mh.after, ml.speaking / mh.speaking)
+        <= CPU_DEFAULT_RATIO
+    )
 
 
 def test_float32_compute_widens_the_talker_but_not_its_embeddings(real):
@@ -133,11 +147,16 @@ def test_engine_arithmetic_counts_the_server_the_spare_and_both_workers():
     with_spare = plan.EngineMemory([a, b], spare_worker=True, server=3, spare=4)
     assert with_spare.serving(0) == 3 + 4 + 30 and with_spare.settled(1) == 3 + 4 + 13
     assert with_spare.starting(0) == 3 + 4 + 35
-    assert with_spare.swap_bytes(0) == 3 + 4 + 30 + 17  # the old one speaking, the new at its largest
+    assert (
+        with_spare.swap_bytes(0) == 3 + 4 + 30 + 17
+    )  # the old one speaking, the new at its largest
     assert with_spare.limit_for_swaps(0.5) == 2 * (3 + 4 + 30 + 17)
     without = plan.EngineMemory([a, b], spare_worker=False, server=3, spare=4)
     assert without.swap_bytes(0) == 3 + 30 + 17 and without.request() == 33
-    assert plan.EngineMemory([a, plan.RungMemory("4bit", 1, 2, 3, 19, 9)], False, 0, 0).swap_bytes(0) == 30 + 19
+    assert (
+        plan.EngineMemory([a, plan.RungMemory("4bit", 1, 2, 3, 19, 9)], False, 0, 0).swap_bytes(0)
+        == 30 + 19
+    )
     assert plan.EngineMemory([a], spare_worker=False).limit_for_swaps(0.95) == 0
 
 

@@ -65,8 +65,12 @@ def test_embeddings_are_quantized_only_by_rules_that_name_them():
 
 
 def test_components_select_the_modules_they_name():
-    assert set(plan(only("talker-first-layer", 4))) == {p for p in PATHS if ".layers.0." in p and "code_predictor" not in p}
-    assert set(plan(only("talker-last-layer", 4))) == {p for p in PATHS if ".layers.3." in p and "code_predictor" not in p}
+    assert set(plan(only("talker-first-layer", 4))) == {
+        p for p in PATHS if ".layers.0." in p and "code_predictor" not in p
+    }
+    assert set(plan(only("talker-last-layer", 4))) == {
+        p for p in PATHS if ".layers.3." in p and "code_predictor" not in p
+    }
     assert set(plan(only("codec-head", 4))) == {"talker.codec_head"}
     assert all(p.startswith("talker.code_predictor.") for p in plan(only("code-predictor", 4)))
     assert all(".mlp." in p for p in plan(only("talker-mlp", 4)))
@@ -115,8 +119,14 @@ def test_recipe_file_round_trip_with_group_sizes(tmp_path, suffix):
         ({"default_bits": 4, "rules": [{"pattern": "(", "bits": 8}]}, "bad pattern"),
         ({"default_bits": 4, "rules": [{"component": "decoder", "bits": 8}]}, "unknown component"),
         ({"default_bits": 4, "rules": [{"pattern": "x"}]}, "`bits` is required"),
-        ({"default_bits": 4, "rules": [{"pattern": "x", "component": "codec-head", "bits": 8}]}, "exactly one"),
-        ({"default_bits": 4, "rules": [{"pattern": "x", "bits": 8, "layers": [1]}]}, "layers must be"),
+        (
+            {"default_bits": 4, "rules": [{"pattern": "x", "component": "codec-head", "bits": 8}]},
+            "exactly one",
+        ),
+        (
+            {"default_bits": 4, "rules": [{"pattern": "x", "bits": 8, "layers": [1]}]},
+            "layers must be",
+        ),
         ({"default_bits": 4, "rules": [{"pattern": "x", "bits": 8, "bitz": 3}]}, "unknown field"),
         ({"default_bits": 4, "bits": 4}, "unknown recipe field"),
         ({"name": "../etc", "default_bits": 4}, "recipe name"),
@@ -145,4 +155,5 @@ def test_an_ablation_of_linear_components_leaves_the_embeddings_out():
     assert set(plan(all_but("codec-head", 4, embeddings=()))) == linear - {"talker.codec_head"}
     assert set(plan(protect(["codec-head"], 4, 64, 8, embeddings=()))) == linear
     assert set(plan(all_but("codec-head", 4, embeddings=("text-embedding",)))) == (
-        linear - {"talker.codec_head"}) | {"talker.model.text_embedding"}
+        linear - {"talker.codec_head"}
+    ) | {"talker.model.text_embedding"}

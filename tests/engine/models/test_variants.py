@@ -25,8 +25,13 @@ MC = "mlx-community/Qwen3-TTS-12Hz-0.6B-CustomVoice"
         (f"{MC}-bf16", "bf16", f"{MC}-bf16", "bf16", None),
         # Qwen/ names map to the mlx-community conversion
         ("Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice", None, f"{MC}-6bit", "6bit", None),
-        ("Qwen/Qwen3-TTS-12Hz-1.7B-Base", "8bit", "mlx-community/Qwen3-TTS-12Hz-1.7B-Base-8bit",
-         "8bit", None),
+        (
+            "Qwen/Qwen3-TTS-12Hz-1.7B-Base",
+            "8bit",
+            "mlx-community/Qwen3-TTS-12Hz-1.7B-Base-8bit",
+            "8bit",
+            None,
+        ),
         # another hub repo holds full precision: quantized on load when a variant asks for it
         ("someone/my-qwen3-tts", None, "someone/my-qwen3-tts", "bf16", None),
         ("someone/my-qwen3-tts", "4bit", "someone/my-qwen3-tts", "4bit", "4bit"),
@@ -88,9 +93,13 @@ def _talker_modules(n_layers: int):
             mods.append((f"talker.model.layers.{i}.self_attn.{proj}", 1024))
         for proj in ("gate_proj", "up_proj", "down_proj"):
             mods.append((f"talker.model.layers.{i}.mlp.{proj}", 1024))
-    mods += [("talker.codec_head", 1024), ("talker.model.codec_embedding", 1024),
-             ("talker.code_predictor.model.layers.0.mlp.up_proj", 1024),
-             ("talker.text_projection.linear_fc1", 2048), ("odd.linear", 100)]
+    mods += [
+        ("talker.codec_head", 1024),
+        ("talker.model.codec_embedding", 1024),
+        ("talker.code_predictor.model.layers.0.mlp.up_proj", 1024),
+        ("talker.text_projection.linear_fc1", 2048),
+        ("odd.linear", 100),
+    ]
     return mods
 
 

@@ -31,7 +31,9 @@ SMALL = dict(texts=TEXTS[:3], seeds=(0,), max_new_tokens=12, language="english",
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     exe = str(Path(sys.executable).with_name("qwen3-tts"))
-    return subprocess.run([exe, *args], capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+    return subprocess.run(
+        [exe, *args], capture_output=True, text=True, timeout=timeout, env=os.environ.copy()
+    )
 
 
 def test_teacher_forcing_reproduces_greedy_generation(tiny_checkpoint):
@@ -164,7 +166,10 @@ def test_quantize_cli_with_a_yaml_recipe_and_gptq_loads_and_streams(tiny_checkpo
     assert result["weight_bytes"] < result["source_weight_bytes"]
     quant = json.loads((out / "config.json").read_text())["quantization"]
     assert quant["talker.code_predictor.lm_head.3"] == {"bits": 8, "group_size": 32}
-    assert quant["talker.model.layers.0.mlp.down_proj"] == {"bits": 6, "group_size": 128}  # 128 wide
+    assert quant["talker.model.layers.0.mlp.down_proj"] == {
+        "bits": 6,
+        "group_size": 128,
+    }  # 128 wide
     assert quant["talker.model.layers.0.mlp.up_proj"] == {"bits": 4, "group_size": 32}
     assert not any(k.startswith("talker.text_projection") for k in quant)
 
@@ -196,7 +201,9 @@ def test_eval_cli_writes_json_markdown_png_and_stores_verdicts(tiny_checkpoint, 
     assert len(summary["stored"]) == 2
     for path in summary["stored"]:
         verdict = json.loads(Path(path).read_text())
-        assert verdict["passed"] == next(c["passed"] for c in summary["candidates"] if c["name"] == verdict["recipe"])
+        assert verdict["passed"] == next(
+            c["passed"] for c in summary["candidates"] if c["name"] == verdict["recipe"]
+        )
         assert verdict["report"] == str(out / "report.json")
 
 
@@ -271,10 +278,16 @@ def test_quantize_never_replaces_a_folder_it_did_not_write(tiny_checkpoint, tmp_
     assert r.returncode == 2 and "non-empty folder" in r.stderr
     assert (notes / "keep.txt").read_text() == "mine"
     r = cli("quantize", str(src), str(src.parent), "--recipe", "8bit", timeout=300)
-    assert r.returncode == 2 and "must be outside the source" in r.stderr and (src / "config.json").is_file()
+    assert (
+        r.returncode == 2
+        and "must be outside the source" in r.stderr
+        and (src / "config.json").is_file()
+    )
     out = tmp_path / "q8"
     assert cli("quantize", str(src), str(out), "--recipe", "8bit", timeout=300).returncode == 0
-    assert cli("quantize", str(src), str(out), "--recipe", "4bit", timeout=300).returncode == 0  # its own output
+    assert (
+        cli("quantize", str(src), str(out), "--recipe", "4bit", timeout=300).returncode == 0
+    )  # its own output
     assert json.loads((out / "config.json").read_text())["qwen3_tts_recipe"] == "4bit"
     assert not list(out.glob("*.index.json"))  # no stale index of the source's weights
 
@@ -295,17 +308,23 @@ def test_decoder_metrics_see_a_changed_vocoder(tiny_checkpoint):
 
     from qwen3_tts_engine.quant.evaluate import audio_metrics, same_decoder
 
-    settings = EvalSettings(texts=TEXTS[:1], seeds=(0,), max_new_tokens=4, language="english", audio_items=1)
+    settings = EvalSettings(
+        texts=TEXTS[:1], seeds=(0,), max_new_tokens=4, language="english", audio_items=1
+    )
     ref = Reference(tiny_checkpoint(), settings, progress=print)
     item = ref.items[0]
     assert item.audio is not None and item.audio.shape == (4 * 1920,)
-    same = audio_metrics(ref.model, item, item.codes, False, ref.sample_rate)  # computed, not assumed
+    same = audio_metrics(
+        ref.model, item, item.codes, False, ref.sample_rate
+    )  # computed, not assumed
     assert same["mrstft"] == 0.0 and same["logmel"] == 0.0
 
     other = load_dir(tiny_checkpoint())
     params = tree_flatten(other.speech_tokenizer.decoder.parameters())
     key, w = max(params, key=lambda kv: kv[1].size)  # the largest vocoder tensor
-    noise = mx.random.normal(w.shape, key=mx.random.key(0)).astype(w.dtype) * mx.std(w.astype(mx.float32)).astype(w.dtype)
+    noise = mx.random.normal(w.shape, key=mx.random.key(0)).astype(w.dtype) * mx.std(
+        w.astype(mx.float32)
+    ).astype(w.dtype)
     other.speech_tokenizer.decoder.update(tree_unflatten([(key, w + noise)]))
     assert not same_decoder(ref.model, other)
     changed = audio_metrics(other, item, item.codes, False, ref.sample_rate)
@@ -331,12 +350,17 @@ def test_free_running_metrics_catch_a_candidate_that_never_stops(tiny_checkpoint
     """Reference: EOS made likely (it stops after 1-40 frames); candidate: EOS row zeroed."""
     ref = _eos_row(tiny_checkpoint(eos=True), tmp_path / "stops", 3.0)
     never = _eos_row(ref, tmp_path / "never-stops", 0.0)
-    settings = EvalSettings(texts=TEXTS[:4], seeds=(0,), max_new_tokens=40, language="english", n_boot=300)
+    settings = EvalSettings(
+        texts=TEXTS[:4], seeds=(0,), max_new_tokens=40, language="english", n_boot=300
+    )
     report = evaluate(ref, [Candidate("same", "checkpoint", path=ref),
                             Candidate("never-stops", "checkpoint", path=never)], settings)  # fmt: skip
     same, bad = (c["metrics"] for c in report["candidates"])
     stopped = [not cap for cap in report["reference"]["hit_cap"]]
-    print(report["reference"]["frames"], {k: bad[k]["mean"] for k in ("runaway_rate", "length_ratio", "eos_drift")})
+    print(
+        report["reference"]["frames"],
+        {k: bad[k]["mean"] for k in ("runaway_rate", "length_ratio", "eos_drift")},
+    )
     assert sum(stopped) >= 3  # the reference stops by itself on most items
     assert same["runaway_rate"]["mean"] == 0.0 and same["length_ratio"]["mean"] == 1.0
     assert bad["runaway_rate"]["mean"] == sum(stopped) / len(stopped)
@@ -353,9 +377,17 @@ def test_run_comparisons():
     b[6, 15] += 1
     assert first_divergence(a, a) == 10 and first_divergence(a, b) == 6
     assert first_divergence(a, a[:4]) == 4  # a prefix diverges where it ends
-    assert compare_runs(a, a[:5], False, False) == {"length_ratio": 0.5, "runaway_rate": 0.0, "first_divergence": 5.0}
-    assert compare_runs(a, b, True, False)["runaway_rate"] == 1.0  # capped where the reference stopped
-    assert compare_runs(a, b, True, True)["runaway_rate"] == 0.0  # both capped: not the candidate's fault
+    assert compare_runs(a, a[:5], False, False) == {
+        "length_ratio": 0.5,
+        "runaway_rate": 0.0,
+        "first_divergence": 5.0,
+    }
+    assert (
+        compare_runs(a, b, True, False)["runaway_rate"] == 1.0
+    )  # capped where the reference stopped
+    assert (
+        compare_runs(a, b, True, True)["runaway_rate"] == 0.0
+    )  # both capped: not the candidate's fault
 
 
 def test_voice_design_checkpoints_are_evaluated_with_instructions(tiny_checkpoint):

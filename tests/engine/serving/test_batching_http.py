@@ -16,9 +16,25 @@ from qwen3_tts_engine.protocol import FRAME_SAMPLES
 
 BODIES = {
     "a": {"input": "Hello there, how are you?", "seed": 1},
-    "b": {"input": "A longer one that goes on for a while.", "seed": 2, "temperature": 0.7, "top_k": 20},
-    "c": {"input": "Short.", "seed": 3, "top_p": 0.8, "repetition_penalty": 1.3, "first_chunk_frames": 1},
-    "d": {"input": "One two three four five.", "seed": 4, "temperature": 0.0, "first_chunk_frames": 2},
+    "b": {
+        "input": "A longer one that goes on for a while.",
+        "seed": 2,
+        "temperature": 0.7,
+        "top_k": 20,
+    },
+    "c": {
+        "input": "Short.",
+        "seed": 3,
+        "top_p": 0.8,
+        "repetition_penalty": 1.3,
+        "first_chunk_frames": 1,
+    },
+    "d": {
+        "input": "One two three four five.",
+        "seed": 4,
+        "temperature": 0.0,
+        "first_chunk_frames": 2,
+    },
 }
 
 

@@ -115,6 +115,7 @@ def test_slots_fall_under_a_slowdown_and_come_back_after_it():
 def test_batching_that_is_cheap_per_stream_gives_more_slots_than_the_proportion():
     """Steps of 50 ms x sqrt(streams): with one size seen the prediction stays proportional
     (conservative); with two, the least-squares line finds the fixed cost and admits more."""
+
     def cost(n):
         return 0.050 * math.sqrt(n)
 
@@ -125,7 +126,9 @@ def test_batching_that_is_cheap_per_stream_gives_more_slots_than_the_proportion(
     assert model.slots(budget, 8) == 1  # 2 streams would fit (71 ms), but nothing says so yet
     _feed(model, 1.0, (2,), cost, steps=4)
     fixed, per_stream = model.fit()
-    assert fixed == pytest.approx(0.0293, abs=1e-4) and per_stream == pytest.approx(0.0207, abs=1e-4)
+    assert fixed == pytest.approx(0.0293, abs=1e-4) and per_stream == pytest.approx(
+        0.0207, abs=1e-4
+    )
     proportional = max(n for n in range(1, 9) if cost(2) * n / 2 <= budget)  # the old rule
     assert proportional == 2
     assert model.predict(3) == pytest.approx(fixed + 3 * per_stream) and model.predict(3) <= budget

@@ -110,9 +110,10 @@ async def _socket_done(srv, pieces: list[str], **start) -> dict:
     """The `response.done` of a socket utterance whose text comes in `pieces`."""
     import aiohttp
 
-    async with aiohttp.ClientSession(f"http://127.0.0.1:{srv.port}") as s, s.ws_connect(
-        SPEECH_STREAM_PATH, protocols=(SPEECH_STREAM_SUBPROTOCOL,)
-    ) as ws:
+    async with (
+        aiohttp.ClientSession(f"http://127.0.0.1:{srv.port}") as s,
+        s.ws_connect(SPEECH_STREAM_PATH, protocols=(SPEECH_STREAM_SUBPROTOCOL,)) as ws,
+    ):
         await ws.send_json({"type": "session.start", "voice": "ryan", "language": "en", "seed": 3,
                             **start})  # fmt: skip
         for piece in pieces:
@@ -149,7 +150,11 @@ async def test_each_sentence_of_a_post_has_its_own_cap(server):
     assert len(sentences) == 2
     r = await _post(server, input=text)
     expected = sum(default_max_new_tokens(s) for s in sentences)
-    assert len(r.content) == expected * FRAME_SAMPLES * 2 != default_max_new_tokens(text) * FRAME_SAMPLES * 2
+    assert (
+        len(r.content)
+        == expected * FRAME_SAMPLES * 2
+        != default_max_new_tokens(text) * FRAME_SAMPLES * 2
+    )
     assert r.headers[HEADER_CAPPED] == "true"
 
 

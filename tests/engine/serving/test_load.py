@@ -39,7 +39,9 @@ def _body(frames: int = 400, **kw) -> dict:
 
 async def _start(engine_kw: dict, tiny_checkpoint, **server_kw) -> EngineServer:
     model = str(tiny_checkpoint("custom_voice", eos="never"))
-    srv = EngineServer(Engine(model, [Handler(model, **engine_kw)]), ServerConfig(port=0, **server_kw))
+    srv = EngineServer(
+        Engine(model, [Handler(model, **engine_kw)]), ServerConfig(port=0, **server_kw)
+    )
     await srv.start()
     return srv
 
@@ -81,7 +83,9 @@ class Held:
         self.chunks = None
 
     async def start(self) -> Held:
-        r = await self.stack.enter_async_context(self.client.stream("POST", "/v1/audio/speech", json=self.body))
+        r = await self.stack.enter_async_context(
+            self.client.stream("POST", "/v1/audio/speech", json=self.body)
+        )
         self.status = r.status_code
         if r.status_code == 200:
             self.chunks = r.aiter_raw()  # kept: a collected iterator would close the response
@@ -127,9 +131,17 @@ async def test_load_and_gauges_move_with_load_and_a_full_engine_answers_429(serv
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(600, connect=10)) as client:
         idle = await _load(client)
         assert (idle.running, idle.waiting, idle.slots, idle.free_slots) == (0, 0, 2, 2)
-        assert (idle.state, idle.accepting, idle.max_batch, idle.frame_budget_ms) == ("serving", True, 2, None)
+        assert (idle.state, idle.accepting, idle.max_batch, idle.frame_budget_ms) == (
+            "serving",
+            True,
+            2,
+            None,
+        )
         text = await _scrape(client)
-        assert _metric(text, "vllm:num_requests_running") == 0 and _metric(text, "vllm:kv_cache_usage_perc") == 0
+        assert (
+            _metric(text, "vllm:num_requests_running") == 0
+            and _metric(text, "vllm:kv_cache_usage_perc") == 0
+        )
         assert _metric(text, "qwen3_tts_free_slots") == 2
 
         first = await Held(client, _body()).start()
@@ -139,7 +151,10 @@ async def test_load_and_gauges_move_with_load_and_a_full_engine_answers_429(serv
         full = await _load(client)
         assert (full.running, full.waiting, full.free_slots) == (2, 0, 0)
         text = await _scrape(client)
-        assert _metric(text, "vllm:num_requests_running") == 2 and _metric(text, "vllm:kv_cache_usage_perc") == 1
+        assert (
+            _metric(text, "vllm:num_requests_running") == 2
+            and _metric(text, "vllm:kv_cache_usage_perc") == 1
+        )
         assert _metric(text, "qwen3_tts_requests_running") == 2
 
         queued = asyncio.create_task(Held(client, _body()).start())  # waits for a slot
@@ -147,7 +162,11 @@ async def test_load_and_gauges_move_with_load_and_a_full_engine_answers_429(serv
         assert (waiting.running, waiting.free_slots) == (2, 0)
         assert _metric(await _scrape(client), "vllm:num_requests_waiting") == 1
         status = (await client.get("/v1/engine/status")).json()
-        assert {k: status["capacity"][k] for k in ("running", "waiting", "slots")} == {"running": 2, "waiting": 1, "slots": 2}
+        assert {k: status["capacity"][k] for k in ("running", "waiting", "slots")} == {
+            "running": 2,
+            "waiting": 1,
+            "slots": 2,
+        }
 
         # The batch and the queue are full: the next one is turned away at once, never queued.
         r = await client.post("/v1/audio/speech", json=_body())
@@ -159,7 +178,9 @@ async def test_load_and_gauges_move_with_load_and_a_full_engine_answers_429(serv
         await first.release()  # its slot goes to the queued request
         third = await queued
         assert third.status == 200
-        await _until_load(client, "the queue emptied", lambda lo: (lo.running, lo.waiting) == (2, 0))
+        await _until_load(
+            client, "the queue emptied", lambda lo: (lo.running, lo.waiting) == (2, 0)
+        )
         await second.release()
         await third.release()
         done = await _until_load(client, "all streams ended", lambda lo: lo.running == 0)
@@ -182,7 +203,11 @@ async def test_an_engine_slower_than_its_frame_budget_admits_fewer_streams(slow_
     base = f"http://127.0.0.1:{slow_server.port}"
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(600, connect=10)) as client:
         fresh = await _load(client)
-        assert (fresh.slots, fresh.max_batch, fresh.frame_budget_ms) == (1, 3, 80.0)  # nothing measured yet
+        assert (fresh.slots, fresh.max_batch, fresh.frame_budget_ms) == (
+            1,
+            3,
+            80.0,
+        )  # nothing measured yet
 
         # One stream, read as it comes: 12 frames in three 4-frame chunks.
         await _speak(client, 12)
@@ -191,7 +216,9 @@ async def test_an_engine_slower_than_its_frame_budget_admits_fewer_streams(slow_
         # every step took >= 100 ms per stream: each chunk after the first came after the 320 ms
         # its predecessor plays for (unless the client held it back: then playback restarts)
         assert stats["underruns"] + stats["resumed_chunks"] == 2, stats
-        measured = await _until_load(client, "its steps reported", lambda lo: lo.underruns == stats["underruns"])
+        measured = await _until_load(
+            client, "its steps reported", lambda lo: lo.underruns == stats["underruns"]
+        )
         assert "1" in measured.step_s and measured.step_s["1"] >= 0.100
         # a second stream is predicted at >= 2 x 100 ms a step: over the budget
         assert measured.step_s["2"] >= 0.200 and measured.slots == 1
@@ -199,7 +226,8 @@ async def test_an_engine_slower_than_its_frame_budget_admits_fewer_streams(slow_
         assert _metric(text, "qwen3_tts_slots") == 1
         assert _metric(text, "qwen3_tts_underruns_total") == stats["underruns"]
         assert 'qwen3_tts_batch_step_seconds_count{streams="1"' in text or re.search(
-            r'qwen3_tts_batch_step_seconds_count\{[^}]*streams="1"', text)
+            r'qwen3_tts_batch_step_seconds_count\{[^}]*streams="1"', text
+        )
 
         # With one slot, a second request waits although two more batch rows are configured,
         # and a third is turned away.
@@ -214,7 +242,9 @@ async def test_an_engine_slower_than_its_frame_budget_admits_fewer_streams(slow_
         await second.release()
         await _until_load(client, "all streams ended", lambda lo: lo.running == 0)
     # no step ever ran two streams: the worker's own record
-    assert all(s["peak_batch"] <= 1 for s in handler.history), [s["peak_batch"] for s in handler.history]
+    assert all(s["peak_batch"] <= 1 for s in handler.history), [
+        s["peak_batch"] for s in handler.history
+    ]
 
 
 class Reading:
@@ -271,7 +301,9 @@ async def test_slots_learn_from_the_engines_own_steps_both_ways(learning_server)
 
             # One slot: a third request waits (two run, over the slots)
             third = Reading(client, _body(1500))
-            waiting = await _until_load(client, "the third request queued", lambda lo: lo.waiting == 1)
+            waiting = await _until_load(
+                client, "the third request queued", lambda lo: lo.waiting == 1
+            )
             assert (waiting.running, waiting.slots) == (2, 1), waiting
             await _fault(client, 0)
             await second.release()

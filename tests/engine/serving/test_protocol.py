@@ -38,15 +38,27 @@ def test_vllm_omni_fields_are_understood():
 @pytest.mark.parametrize(
     "body",
     [
-        [], "text", {"input": ""}, {"input": "   "}, {"input": 5}, {"voice": "ryan"},
-        {"input": "x", "response_format": "ogg"}, {"input": "x", "stream": "yes"},
-        {"input": "x", "stream_format": "chunks"}, {"input": "x", "stream_format": 1},
+        [],
+        "text",
+        {"input": ""},
+        {"input": "   "},
+        {"input": 5},
+        {"voice": "ryan"},
+        {"input": "x", "response_format": "ogg"},
+        {"input": "x", "stream": "yes"},
+        {"input": "x", "stream_format": "chunks"},
+        {"input": "x", "stream_format": 1},
         {"input": "x", "response_format": "wav", "stream_format": "sse"},
-        {"input": "x", "max_new_tokens": True}, {"input": "x", "max_new_tokens": 0},
-        {"input": "x", "temperature": "hot"}, {"input": "x", "top_p": 1.5},
-        {"input": "x", "task_type": "Clone"}, {"input": "x", "language": "xx"},
-        {"input": "x", "speed": 2.0}, {"input": "x", "first_chunk_frames": 3},
-        {"input": "x", "voice": ["a"]}, {"input": "x" * 5000},
+        {"input": "x", "max_new_tokens": True},
+        {"input": "x", "max_new_tokens": 0},
+        {"input": "x", "temperature": "hot"},
+        {"input": "x", "top_p": 1.5},
+        {"input": "x", "task_type": "Clone"},
+        {"input": "x", "language": "xx"},
+        {"input": "x", "speed": 2.0},
+        {"input": "x", "first_chunk_frames": 3},
+        {"input": "x", "voice": ["a"]},
+        {"input": "x" * 5000},
     ],
 )
 def test_bad_bodies_are_client_errors(body):
@@ -73,9 +85,14 @@ def test_ref_audio_sources(tmp_path):
     assert resolve_ref_audio("data:audio/wav;base64," + data, None, 1 << 20).startswith(b"RIFF")
     assert resolve_ref_audio("me.wav", allowed, 1 << 20).startswith(b"RIFF")
     for bad, status in [
-        ("../secret.wav", 403), (str(tmp_path / "secret.wav"), 403), ("me.wav\x00", 400),
-        ("http://example.invalid/a.wav", 400), ("file:///etc/passwd", 400), ("missing.wav", 404),
-        ("notes.txt", 400), (base64.b64encode(b"not audio at all").decode(), 400),
+        ("../secret.wav", 403),
+        (str(tmp_path / "secret.wav"), 403),
+        ("me.wav\x00", 400),
+        ("http://example.invalid/a.wav", 400),
+        ("file:///etc/passwd", 400),
+        ("missing.wav", 404),
+        ("notes.txt", 400),
+        (base64.b64encode(b"not audio at all").decode(), 400),
     ]:
         with pytest.raises(RequestError) as e:
             resolve_ref_audio(bad, allowed, 1 << 20)
@@ -101,8 +118,12 @@ def test_check_text_refuses_lone_surrogates_and_noncharacters(code):
         check_text(f"Hello {chr(code)} there", "instructions")
     assert e.value.status == 400 and e.value.param == "instructions"
     assert f"U+{code:04X} at character 6" in e.value.message and e.value.message.isascii()
-    for body in ({"input": f"Hi {chr(code)}"}, {"input": "Hi", "instructions": chr(code)},
-                 {"input": "Hi", "ref_text": chr(code)}, {"input": "Hi", "voice": chr(code)}):
+    for body in (
+        {"input": f"Hi {chr(code)}"},
+        {"input": "Hi", "instructions": chr(code)},
+        {"input": "Hi", "ref_text": chr(code)},
+        {"input": "Hi", "voice": chr(code)},
+    ):
         with pytest.raises(RequestError) as e:
             parse_speech_request(body)
         assert e.value.param == next(k for k, v in body.items() if chr(code) in v)

@@ -24,7 +24,11 @@ API_KEY, OPERATOR_KEY = "synthesis-key", "operator-key"
 
 
 def _env(**keys: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("QWEN3_TTS_API_KEY", "QWEN3_TTS_OPERATOR_KEY")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("QWEN3_TTS_API_KEY", "QWEN3_TTS_OPERATOR_KEY")
+    }
     return {**env, **keys}
 
 
@@ -99,6 +103,7 @@ async def test_only_the_operator_key_changes_the_variant(keyed):
     variant = {"variant": "8bit"}
     speech = {"input": "Hi.", "voice": "ryan", "max_new_tokens": 4, "response_format": "pcm"}
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{keyed.port}", timeout=120) as c:
+
         def auth(key):
             return {"Authorization": f"Bearer {key}"}
 
@@ -109,7 +114,9 @@ async def test_only_the_operator_key_changes_the_variant(keyed):
         r = await c.post("/v1/engine/fault", json={"step_delay_ms": 0}, headers=auth(OPERATOR_KEY))
         assert r.status_code == 200 and r.json()["step_delay_ms"] == 0
         assert (await c.post("/v1/engine/variant", json=variant)).status_code == 401
-        assert (await c.post("/v1/engine/variant", json=variant, headers=auth("guess"))).status_code == 401
+        assert (
+            await c.post("/v1/engine/variant", json=variant, headers=auth("guess"))
+        ).status_code == 401
         # past auth with the operator key: this engine has no governor to swap with
         r = await c.post("/v1/engine/variant", json=variant, headers=auth(OPERATOR_KEY))
         assert r.status_code == 409 and "governor" in r.json()["error"]["message"]
@@ -131,7 +138,11 @@ async def test_every_route_has_one_auth_rule_checked_before_its_handler(keyed):
     from qwen3_tts_engine.serving.app import ROUTE_RULES
     from qwen3_tts_engine.serving.auth import PUBLIC
 
-    routes = {f"{r.method} {r.resource.canonical}" for r in keyed.app.router.routes() if r.method != "HEAD"}
+    routes = {
+        f"{r.method} {r.resource.canonical}"
+        for r in keyed.app.router.routes()
+        if r.method != "HEAD"
+    }
     assert routes == set(ROUTE_RULES), routes ^ set(ROUTE_RULES)
 
     def refused_401(text: str) -> float:
@@ -150,6 +161,8 @@ async def test_every_route_has_one_auth_rule_checked_before_its_handler(keyed):
             if need == PUBLIC:
                 assert r.status_code < 400, (route, r.status_code)
             else:
-                assert r.status_code == 401 and r.json()["error"]["message"].startswith("missing or wrong bearer token"), route
+                assert r.status_code == 401 and r.json()["error"]["message"].startswith(
+                    "missing or wrong bearer token"
+                ), route
                 refused += 1
         assert refused_401((await c.get("/metrics")).text) - before == refused

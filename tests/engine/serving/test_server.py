@@ -123,7 +123,9 @@ async def test_a_paused_consumer_pauses_synthesis(server):
     the stream leaves exactly the 8 frames made (a worker that went on would be on frame 9 or
     later by then)."""
     handler = server.engine.active
-    req = parse_speech_request(body(stream=True, response_format="pcm", max_new_tokens=400), Limits())
+    req = parse_speech_request(
+        body(stream=True, response_format="pcm", max_new_tokens=400), Limits()
+    )
     chunks = server.engine.stream(req)
     first = await anext(chunks)
     assert first.frames == 4

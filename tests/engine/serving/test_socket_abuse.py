@@ -129,7 +129,9 @@ def _frame(payload: bytes, opcode: int = TEXT, *, fin: bool = True, rsv1: bool =
     return head + mask + data.tobytes()
 
 
-async def _frames_until_close(reader: asyncio.StreamReader) -> tuple[list[tuple[int, bytes]], int | None]:
+async def _frames_until_close(
+    reader: asyncio.StreamReader,
+) -> tuple[list[tuple[int, bytes]], int | None]:
     """The server's frames up to its close: [(opcode, payload)], and the close code (None: the
     connection ended without a close frame)."""
     frames = []
@@ -180,7 +182,9 @@ async def test_floods_of_tiny_appends_or_pings_end_the_session(server, session, 
             await ws.ping(b"x")
         pongs = 0
         while not (isinstance(event := await _next(ws), dict) and event["type"] == "error"):
-            assert not isinstance(event, aiohttp.WSMessage) or event.type == aiohttp.WSMsgType.PONG, event
+            assert (
+                not isinstance(event, aiohttp.WSMessage) or event.type == aiohttp.WSMsgType.PONG
+            ), event
             pongs += isinstance(event, aiohttp.WSMessage)
         assert event["status"] == 429 and 0 < pongs < limit + 10, (event, pongs)
 
@@ -193,7 +197,9 @@ async def test_deeply_nested_or_unparsable_json_is_a_400(server, session, bounde
             assert "JSON" in event["error"]["message"]
 
 
-async def test_fragmented_frames_are_one_message_and_malformed_ones_a_protocol_error(server, bounded):
+async def test_fragmented_frames_are_one_message_and_malformed_ones_a_protocol_error(
+    server, bounded
+):
     reader, writer = await _raw(server)
     start = json.dumps(START).encode()
     writer.write(_frame(start[:10], TEXT, fin=False) + _frame(start[10:20], 0x0, fin=False)
@@ -242,7 +248,9 @@ async def test_an_error_never_echoes_megabytes(server, session, bounded):
     async with _connect(session) as ws:
         await ws.send_json({**START, "voice": "v" * (2 << 20)})
         event = await _refused(ws, 400)
-        assert len(event["error"]["message"]) <= MAX_ERROR_CHARS and event["error"]["param"] == "voice"
+        assert (
+            len(event["error"]["message"]) <= MAX_ERROR_CHARS and event["error"]["param"] == "voice"
+        )
 
 
 async def test_many_upgrades_at_once_are_capped(server, session, monkeypatch, bounded):

@@ -97,7 +97,9 @@ async def _speak(session, text: str = "Hello there.") -> list:
 
 
 async def _post(server, **body) -> httpx.Response:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", headers=AUTH, timeout=HANG_GUARD) as c:
+    async with httpx.AsyncClient(
+        base_url=f"http://127.0.0.1:{server.port}", headers=AUTH, timeout=HANG_GUARD
+    ) as c:
         return await c.post("/v1/audio/speech", json={"voice": "ryan", "language": "en", "seed": 3,
                                                       "input": "Hello there.", "response_format": "pcm",
                                                       **body})  # fmt: skip
@@ -116,7 +118,9 @@ async def test_sessions_waiting_for_text_hold_no_stream_and_no_slot(server, sess
     try:
         load = await _load(server)
         assert load["sessions"] == 24 and load["sessions_waiting_for_text"] == 24, load
-        assert load["running"] == 0 and load["waiting"] == 0 and load["free_slots"] == load["slots"], load
+        assert (
+            load["running"] == 0 and load["waiting"] == 0 and load["free_slots"] == load["slots"]
+        ), load
         # a POST and a streamed utterance are served as on an idle engine (before: both waited
         # behind the idle sessions' slots until the hang guard)
         r = await _post(server, max_new_tokens=4)
@@ -127,7 +131,9 @@ async def test_sessions_waiting_for_text_hold_no_stream_and_no_slot(server, sess
         for ws in idle:
             await ws.close()
     load = await _until_load(server, lambda x: x["sessions"] == 0, "no sessions")
-    assert load["running"] == 0 and load["waiting"] == 0 and load["sessions_waiting_for_text"] == 0, load
+    assert (
+        load["running"] == 0 and load["waiting"] == 0 and load["sessions_waiting_for_text"] == 0
+    ), load
 
 
 async def test_sessions_closed_or_reset_right_after_their_start_free_everything(server, session):
@@ -182,14 +188,20 @@ async def test_a_cancel_while_the_server_is_busy_stops_the_audio_within_a_chunk(
                 events.append(event)
             await ws.send_json({"type": "response.cancel"})
             after = []
-            while not (isinstance(event := await _next(ws), dict) and event["type"] == "response.done"):
-                assert not isinstance(event, aiohttp.WSMessage), f"closed before response.done: {event}"
+            while not (
+                isinstance(event := await _next(ws), dict) and event["type"] == "response.done"
+            ):
+                assert not isinstance(event, aiohttp.WSMessage), (
+                    f"closed before response.done: {event}"
+                )
                 after.append(event)
             assert event["cancelled"] is True
             chunks_after = [e for e in after if isinstance(e, bytes)]
             assert len(chunks_after) <= 1, f"{len(chunks_after)} chunks came after the cancel"
         # only the POST is left
-        await _until_load(server, lambda x: x["running"] == 1 and x["sessions"] == 0, "the cancelled stream gone")
+        await _until_load(
+            server, lambda x: x["running"] == 1 and x["sessions"] == 0, "the cancelled stream gone"
+        )
     finally:
         busy.cancel()
         await asyncio.gather(busy, return_exceptions=True)
@@ -200,7 +212,11 @@ async def test_idle_sessions_time_out_with_an_error_event(server, session, monke
     monkeypatch.setattr(server.config, "ws_first_text_timeout_s", 0.5)
     ws = await _started(session)  # no text: the first text's timeout
     error = await _next(ws)
-    assert error["type"] == "error" and error["status"] == 408 and "ws_first_text_timeout_s" in error["error"]["message"]
+    assert (
+        error["type"] == "error"
+        and error["status"] == 408
+        and "ws_first_text_timeout_s" in error["error"]["message"]
+    )
     closed = await _next(ws)
     assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 1008
     monkeypatch.setattr(server.config, "ws_first_text_timeout_s", HANG_GUARD * 10)
@@ -210,7 +226,9 @@ async def test_idle_sessions_time_out_with_an_error_event(server, session, monke
     while not (isinstance(event := await _next(ws), dict) and event["type"] == "error"):
         assert not isinstance(event, aiohttp.WSMessage), event
     assert event["status"] == 408 and "ws_idle_timeout_s" in event["error"]["message"], event
-    await _until_load(server, lambda x: x["running"] == 0 and x["sessions"] == 0, "idle after the timeouts")
+    await _until_load(
+        server, lambda x: x["running"] == 0 and x["sessions"] == 0, "idle after the timeouts"
+    )
 
 
 async def test_a_peer_that_answers_no_ping_is_closed(server, session, monkeypatch):

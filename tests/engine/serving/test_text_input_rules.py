@@ -118,7 +118,9 @@ async def _served(client) -> None:
     ("input", "a noncharacter \ufdd0"), ("input", "plane one's last \U0001ffff"),
     ("instructions", "Speak \udfff warmly."), ("instructions", "Calm \ufffe voice."),
 ])  # fmt: skip
-async def test_text_that_is_not_unicode_scalar_values_is_a_400_on_post(server, client, field, value):
+async def test_text_that_is_not_unicode_scalar_values_is_a_400_on_post(
+    server, client, field, value
+):
     """POST with a lone surrogate or a noncharacter in a text field: a 400 naming the field, the
     worker untouched (before: a 503 from the tokenizer's TypeError)."""
     worker = _worker(server)
@@ -160,12 +162,21 @@ async def test_text_that_is_not_unicode_scalar_values_is_an_error_event_on_the_s
 CONTROLS = "".join(map(chr, [*range(0x00, 0x20), *range(0x7F, 0xA0)]))
 FRAGMENTS = {
     "words": ["Hello there", "how are you", "fine, thanks.", "Numbers 1, 2 and 3!", "OK?"],
-    "combining": ["e\u0301te\u0301", "a" + "\u0300\u0301\u0302\u0303\u0308" * 6, "\u0301\u0302start",
-                  "n\u0303o", "\u1100\u1161\u11a8"],  # conjoining jamo: NFC composes them
+    "combining": [
+        "e\u0301te\u0301",
+        "a" + "\u0300\u0301\u0302\u0303\u0308" * 6,
+        "\u0301\u0302start",
+        "n\u0303o",
+        "\u1100\u1161\u11a8",
+    ],  # conjoining jamo: NFC composes them
     "rtl": ["שלום עולם", "مرحبا بالعالم", "\u202eevil\u202c", "\u200fRLM\u200e", "كَتَبَ"],
-    "emoji": ["\U0001f469\u200d\U0001f469\u200d\U0001f467\u200d\U0001f466",
-              "\U0001f3f3\ufe0f\u200d\U0001f308", "\U0001f44d\U0001f3fd", "\U0001f1fa\U0001f1f3",
-              "\U0001f9d1\U0001f3ff\u200d\U0001f680"],
+    "emoji": [
+        "\U0001f469\u200d\U0001f469\u200d\U0001f467\u200d\U0001f466",
+        "\U0001f3f3\ufe0f\u200d\U0001f308",
+        "\U0001f44d\U0001f3fd",
+        "\U0001f1fa\U0001f1f3",
+        "\U0001f9d1\U0001f3ff\u200d\U0001f680",
+    ],
     "cjk": ["你好，世界。", "こんにちは", "안녕하세요 여러분", "テスト"],
     "controls": [CONTROLS, "\x00", "\t\n\r", "\x85", "\x7f\x9f"],
     "format": ["\u200b", "\ufeff", "\u2060", "\u00ad", "\ue000", "\U0010fffd", "\u0378"],
@@ -217,7 +228,10 @@ async def _fuzz_post(client, text: str) -> None:
                              "response_format": "pcm", **layout})  # fmt: skip
     assert r.status_code < 500, (ascii(text[:80]), r.status_code, r.text)
     if _refused(text) or not _speakable(text):
-        assert r.status_code == 400 and r.json()["error"]["param"] == "input", (ascii(text[:80]), r.text)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", (
+            ascii(text[:80]),
+            r.text,
+        )
     else:
         assert r.status_code == 200, (ascii(text[:80]), r.text)
         assert len(r.content) > 0 and len(r.content) % (FRAME_SAMPLES * 2) == 0
@@ -253,7 +267,10 @@ async def test_random_unicode_gets_a_4xx_or_audio_and_never_a_new_worker(server,
     5xx, and the worker keeps its pid throughout."""
     worker = _worker(server)
     texts = _fuzz_inputs(26)
-    assert sum(map(_refused, texts)) >= 4 and sum(not _refused(t) and _speakable(t) for t in texts) >= 10
+    assert (
+        sum(map(_refused, texts)) >= 4
+        and sum(not _refused(t) and _speakable(t) for t in texts) >= 10
+    )
     rng = random.Random(7)
     jobs = [j for t in texts for j in (_fuzz_post(client, t), _fuzz_socket(session, rng, t))]
     for i in range(0, len(jobs), 4):
@@ -268,7 +285,9 @@ NEIGHBOUR = {**START, "type": None, "input": "A neighbour speaks its whole sente
              "response_format": "pcm", "stream": True, "seed": 11}  # fmt: skip
 
 
-async def test_a_request_failing_in_the_worker_leaves_its_batched_neighbour_unchanged(server, client):
+async def test_a_request_failing_in_the_worker_leaves_its_batched_neighbour_unchanged(
+    server, client
+):
     """A streamed-text request whose next piece the worker's tokenizer cannot take (a lone
     surrogate sent to the handler directly, past the server's check, as text from any path
     that skipped it would come), while a seeded neighbour is batched with it: that request

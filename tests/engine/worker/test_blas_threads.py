@@ -61,7 +61,11 @@ def test_the_tiny_checkpoints_steps_evaluate_on_one_thread(openblas, tiny_checkp
     evaluate = sched.mx.eval
     monkeypatch.setattr(sched.mx, "eval", lambda *a: (seen.append(_threads()), evaluate(*a))[1])
     for name in ("a", "b"):  # two rows: OpenBLAS would split their matmuls
-        s.add(name, SpeechRequest(input=f"Hello {name}.", voice="ryan", seed=1, max_new_tokens=3), decode=False)
+        s.add(
+            name,
+            SpeechRequest(input=f"Hello {name}.", voice="ryan", seed=1, max_new_tokens=3),
+            decode=False,
+        )
     while s.streams:
         s.step()
     assert len(seen) >= 3 and set(seen) == {1}

@@ -98,7 +98,12 @@ def test_the_loaded_vocoder_decodes_as_with_mlxs_kernels(tiny_checkpoint):
     ours = np.array(windowed_decode(decoder, codes))
     assert {SquareSnakeBeta, SquareDecoderOutputSnake} <= kinds
     for _, m in decoder.named_modules():  # back to mlx-audio's modules
-        if type(m) in (MatmulConv1d, MatmulConvTranspose1d, SquareSnakeBeta, SquareDecoderOutputSnake):
+        if type(m) in (
+            MatmulConv1d,
+            MatmulConvTranspose1d,
+            SquareSnakeBeta,
+            SquareDecoderOutputSnake,
+        ):
             m.__class__ = type(m).__mro__[1]
     ref = np.array(windowed_decode(decoder, codes))
     assert ours.shape == ref.shape and np.abs(ref).max() > 0

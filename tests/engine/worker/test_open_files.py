@@ -25,9 +25,13 @@ def _with_limits(*argv: str) -> list[str]:
 
 
 def test_importing_mlx_audio_keeps_the_limit():
-    code = ("from qwen3_tts_engine.open_files import import_mlx_lm; import_mlx_lm(); "
-            "import mlx_audio.tts.utils, mlx_lm, resource; print(resource.getrlimit(resource.RLIMIT_NOFILE))")
-    out = subprocess.run(_with_limits(sys.executable, "-c", code), capture_output=True, text=True, timeout=300)
+    code = (
+        "from qwen3_tts_engine.open_files import import_mlx_lm; import_mlx_lm(); "
+        "import mlx_audio.tts.utils, mlx_lm, resource; print(resource.getrlimit(resource.RLIMIT_NOFILE))"
+    )
+    out = subprocess.run(
+        _with_limits(sys.executable, "-c", code), capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == str(LIMITS)
     plain = subprocess.run(_with_limits(sys.executable, "-c", "import mlx_lm, resource; "
@@ -56,9 +60,14 @@ def test_an_engine_workers_open_file_limit_is_its_parents(tiny_checkpoint):
         workers = [p for p in parent.children(recursive=True) if "python" in p.name().lower()]
         assert workers, parent.children(recursive=True)
         assert parent.rlimit(psutil.RLIMIT_NOFILE) == LIMITS
-        for worker in workers:  # the loaded worker (and a spare, if any) imported mlx-audio and mlx-lm
+        for (
+            worker
+        ) in workers:  # the loaded worker (and a spare, if any) imported mlx-audio and mlx-lm
             assert worker.rlimit(psutil.RLIMIT_NOFILE) == LIMITS, worker.cmdline()
     finally:
         os.killpg(server.pid, 9)
         server.wait(30)
-    assert resource.getrlimit(resource.RLIMIT_NOFILE) != (2048, 4096)  # nor this test process's (conftest)
+    assert resource.getrlimit(resource.RLIMIT_NOFILE) != (
+        2048,
+        4096,
+    )  # nor this test process's (conftest)

@@ -36,7 +36,10 @@ def test_uniform_variants_quantize_every_talker_linear(source, bits):
     # the cached checkpoint records every quantized module for mlx-audio's loader
     cfg = json.loads((Path(details["path"]) / "config.json").read_text())
     assert cfg["quantization"]["bits"] == bits
-    assert cfg["quantization"]["talker.model.layers.0.mlp.up_proj"] == {"bits": bits, "group_size": 64}
+    assert cfg["quantization"]["talker.model.layers.0.mlp.up_proj"] == {
+        "bits": bits,
+        "group_size": 64,
+    }
 
     again, details2 = load(resolve(str(source), f"{bits}bit"), progress=False)
     assert details2["from_cache"] and not details2["quantized_on_load"]
@@ -47,7 +50,9 @@ def test_uniform_variants_quantize_every_talker_linear(source, bits):
 def test_talker_mlp_w4_quantizes_only_the_middle_mlps(source):
     model, details = load(resolve(str(source), "talker-mlp-w4"), progress=False)
     q = quantized_modules(model)
-    expected = {f"talker.model.layers.{i}.mlp.{p}_proj" for i in (2, 3) for p in ("gate", "up", "down")}
+    expected = {
+        f"talker.model.layers.{i}.mlp.{p}_proj" for i in (2, 3) for p in ("gate", "up", "down")
+    }
     assert set(q) == expected
     assert set(q.values()) == {4}
     # everything else stays a plain (bf16) Linear
@@ -86,14 +91,19 @@ def test_embedding_rungs_load_quantized_embeddings_and_stream(source):
     model, details = load(resolve(str(source), "4bit-emb4-voc16"), progress=False)
     q = quantized_modules(model)
     embeddings = {p for p in q if "embedding" in p}
-    assert embeddings == {"talker.model.text_embedding", "talker.model.codec_embedding",
-                          *(f"talker.code_predictor.model.codec_embedding.{i}" for i in range(15))}
+    assert embeddings == {
+        "talker.model.text_embedding",
+        "talker.model.codec_embedding",
+        *(f"talker.code_predictor.model.codec_embedding.{i}" for i in range(15)),
+    }
     assert isinstance(model.talker.model.text_embedding, nn.QuantizedEmbedding)
     assert set(q.values()) == {4}
     cfg = json.loads((Path(details["path"]) / "config.json").read_text())
     assert cfg["quantization"]["talker.model.text_embedding"] == {"bits": 4, "group_size": 64}
     assert cfg["qwen3_tts_vocoder_dtype"] == "bfloat16"
-    assert {v.dtype for _, v in tree_flatten(model.speech_tokenizer.decoder.parameters())} == {mx.bfloat16}
+    assert {v.dtype for _, v in tree_flatten(model.speech_tokenizer.decoder.parameters())} == {
+        mx.bfloat16
+    }
     assert model.speech_tokenizer.encoder_model is None  # CustomVoice never clones a voice
     chunks = list(stream_chunks(model, SpeechRequest(input="Small.", voice="ryan",
                                                      max_new_tokens=4, seed=0)))  # fmt: skip

@@ -24,12 +24,16 @@ from qwen3_tts_engine.worker.sampling import (
 VOCAB = 2048
 
 
-def _reference(logits: np.ndarray, u: float, p: SamplingParams, suppress=None, presence=None) -> int:
+def _reference(
+    logits: np.ndarray, u: float, p: SamplingParams, suppress=None, presence=None
+) -> int:
     x = logits.astype(np.float64)
     if suppress is not None:
         x = np.where(suppress, -np.inf, x)
     if presence is not None:
-        x = np.where(presence, np.where(x < 0, x * p.repetition_penalty, x / p.repetition_penalty), x)
+        x = np.where(
+            presence, np.where(x < 0, x * p.repetition_penalty, x / p.repetition_penalty), x
+        )
     if p.temperature <= 0 or p.top_k == 1:
         return int(np.argmax(x))
     x = x / p.temperature
@@ -119,7 +123,10 @@ def test_suppressed_ids_and_the_repetition_penalty_as_the_reference():
         u = rng.random(len(params)).astype(np.float32)
         got = np.array(sampler.sample(mx.array(logits), mx.array(u), suppress=mx.array(suppress),
                                       presence=mx.array(presence)))[:, 0]  # fmt: skip
-        want = [_reference(logits[b], float(u[b]), p, suppress, presence[b]) for b, p in enumerate(params)]
+        want = [
+            _reference(logits[b], float(u[b]), p, suppress, presence[b])
+            for b, p in enumerate(params)
+        ]
         assert got.tolist() == want, trial
         drawn_suppressed += int((got >= VOCAB - 1024).sum())
     assert drawn_suppressed == 0
@@ -134,7 +141,9 @@ def test_a_row_draws_the_same_alone_and_in_a_batch():
     rng = np.random.default_rng(3)
     ties = 0
     for trial in range(100):
-        logits = mx.array(rng.standard_normal((len(params), VOCAB)).astype(np.float32) * 3).astype(mx.bfloat16)
+        logits = mx.array(rng.standard_normal((len(params), VOCAB)).astype(np.float32) * 3).astype(
+            mx.bfloat16
+        )
         u = mx.array(rng.random(len(params)).astype(np.float32))
         together = np.array(BatchSampler(params, VOCAB).sample(logits, u))[:, 0].tolist()
         alone = [int(np.array(BatchSampler([p], VOCAB).sample(logits[b : b + 1], u[b : b + 1]))[0, 0])
@@ -158,4 +167,6 @@ def test_frame_uniforms_are_each_keys_own_numbers():
     for b, key in enumerate(keys):
         nxt, sub = mx.random.split(key)
         assert mx.array_equal(next_keys[b], nxt)
-        np.testing.assert_array_equal(np.array(numbers[b]), np.array(mx.random.uniform(shape=(16,), key=sub)))
+        np.testing.assert_array_equal(
+            np.array(numbers[b]), np.array(mx.random.uniform(shape=(16,), key=sub))
+        )

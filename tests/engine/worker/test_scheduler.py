@@ -18,8 +18,12 @@ from qwen3_tts_engine.worker.synthesis import one_shot_decode, stream_chunks
 
 REQUESTS = {
     "a": dict(input="Hello there, how are you today?", seed=1),
-    "b": dict(input="A much longer sentence that goes on and on. And a second one follows it.",
-              seed=2, temperature=0.7, top_k=20),  # fmt: skip
+    "b": dict(
+        input="A much longer sentence that goes on and on. And a second one follows it.",
+        seed=2,
+        temperature=0.7,
+        top_k=20,
+    ),  # fmt: skip
     "c": dict(input="Short.", seed=3, top_p=0.8, repetition_penalty=1.3, first_chunk_frames=1),
     "d": dict(input="Numbers one two three four five six seven.", seed=4, temperature=0.0),
 }
@@ -82,9 +86,15 @@ def test_float32_compute_batched_equals_its_solo_runs(tiny_checkpoint, eos_model
     after = dict(tree_flatten(model.talker.parameters()))
     tables = {k for k in after if "embedding" in k}  # embedding tables keep their dtype
     assert tables and all(after[k].dtype == before[k].dtype == mx.bfloat16 for k in tables)
-    rest = {after[k].dtype for k in after if k not in tables and mx.issubdtype(after[k].dtype, mx.floating)}
+    rest = {
+        after[k].dtype
+        for k in after
+        if k not in tables and mx.issubdtype(after[k].dtype, mx.floating)
+    }
     assert rest == {mx.float32}
-    assert mx.bfloat16 in {before[k].dtype for k in before if k not in tables}  # what the option changed
+    assert mx.bfloat16 in {
+        before[k].dtype for k in before if k not in tables
+    }  # what the option changed
     vocoder = lambda m: {v.dtype for _, v in tree_flatten(m.speech_tokenizer.decoder.parameters())}  # noqa: E731
     assert vocoder(model) == vocoder(eos_model)
     _batched_equals_solo(model, {name: _solo(model, name) for name in REQUESTS})
@@ -101,7 +111,9 @@ def test_auto_compute_is_float32_on_the_cpu_backend_only(tiny_checkpoint):
     expected = "float32" if on_cpu() else None
     assert resolve_compute_dtype("auto") == expected
     assert resolve_compute_dtype(None) is None and resolve_compute_dtype("float32") == "float32"
-    model, details = load(resolve(str(tiny_checkpoint("custom_voice"))), progress=False, compute_dtype="auto")
+    model, details = load(
+        resolve(str(tiny_checkpoint("custom_voice"))), progress=False, compute_dtype="auto"
+    )
     assert details["compute_dtype"] == expected
     weight = model.talker.model.layers[0].mlp.gate_proj.weight
     assert weight.dtype == (mx.float32 if expected else mx.bfloat16)
@@ -180,7 +192,9 @@ def test_a_bad_request_is_refused_and_a_failing_one_fails_alone(eos_model, solo)
     broken.sentences = [None]  # its prefill raises inside the step
     out = _drive(scheduler, {}, {"a", "bad"})
     assert isinstance(out["bad"]["end"], Exception)
-    np.testing.assert_array_equal(np.concatenate([c.codes for c in out["a"]["chunks"]]), solo["a"][0])
+    np.testing.assert_array_equal(
+        np.concatenate([c.codes for c in out["a"]["chunks"]]), solo["a"][0]
+    )
 
 
 def test_greedy_rows_do_not_depend_on_the_seed(eos_model):
@@ -206,5 +220,7 @@ def test_batched_audio_equals_solo_audio_and_a_one_shot_decode(eos_model, solo):
         np.testing.assert_array_equal(codes, solo[name][0])
         audio = np.concatenate([c.audio for c in out[name]["chunks"]])
         assert audio.shape == (len(codes) * FRAME_SAMPLES,) and np.abs(audio).max() > 1e-3
-        np.testing.assert_allclose(audio, np.concatenate([c.audio for c in alone[name]]), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(
+            audio, np.concatenate([c.audio for c in alone[name]]), atol=1e-5, rtol=0
+        )
         np.testing.assert_allclose(audio, one_shot_decode(eos_model, codes), atol=2e-4, rtol=0)

@@ -77,7 +77,9 @@ def test_long_input_is_split_into_sentences_without_gaps(model):
     text = ("The first sentence is right here. The second one follows it closely. "
             "And a third sentence ends the paragraph.")  # fmt: skip
     stats = SynthesisStats()
-    chunks = list(stream_chunks(model, _req(input=text, max_new_tokens=5), stats=stats, decode=False))
+    chunks = list(
+        stream_chunks(model, _req(input=text, max_new_tokens=5), stats=stats, decode=False)
+    )
     assert stats.sentences == 3
     assert stats.frames == 15  # 5 frames per sentence (EOS never fires in a tiny checkpoint)
     # Chunks keep 4 frames across sentence boundaries; only the last one is short.
@@ -178,7 +180,9 @@ def test_eos_stream_has_a_short_last_chunk_and_no_seams(eos_model):
                       for s in (7, 8, 9)
                       if _frames_until_eos(eos_model, t, s).frames % 4)  # fmt: skip
     stats = SynthesisStats()
-    chunks = list(stream_chunks(eos_model, _req(input=text, seed=seed), keep_codes=True, stats=stats))
+    chunks = list(
+        stream_chunks(eos_model, _req(input=text, seed=seed), keep_codes=True, stats=stats)
+    )
     n = stats.frames
     assert not stats.hit_token_cap and n % 4
     assert [c.frames for c in chunks] == [4] * (n // 4) + [n % 4]
@@ -207,6 +211,8 @@ def test_eos_sentences_each_end_and_chunks_span_the_boundaries(eos_model):
 def test_eos_in_quantized_checkpoints(tiny_checkpoint):
     text = "The quick brown fox jumps over the lazy dog."
     for bits in (8, 4):
-        m, _ = load(resolve(str(tiny_checkpoint("custom_voice", eos="text", bits=bits))), progress=False)
+        m, _ = load(
+            resolve(str(tiny_checkpoint("custom_voice", eos="text", bits=bits))), progress=False
+        )
         stats = _frames_until_eos(m, text)
         assert not stats.hit_token_cap and 3 <= stats.frames < default_max_new_tokens(text) / 4

@@ -52,16 +52,19 @@ def wer(hypothesis: str, reference: str) -> float:
 
 STTs: list[Callable[[], stt.STT]] = [
     pytest.param(lambda: faster_whisper.STT(model="bundled"), id="faster_whisper"),
-    pytest.param(lambda: faster_whisper.STT(model="bundled", streaming=True),
-                 id="faster_whisper-streaming"),  # fmt: skip
+    pytest.param(
+        lambda: faster_whisper.STT(model="bundled", streaming=True), id="faster_whisper-streaming"
+    ),  # fmt: skip
 ]
 # Upstream runs test_stream on every STT and skips those that cannot stream; here each one that
 # can is listed: the streaming STT, and the non-streaming one behind LiveKit's VAD adapter (the
 # adapter's recognize() is the wrapped STT's, so it adds to test_stream only).
 STREAMING_STTs: list[Callable[[], stt.STT]] = [
     STTs[1],
-    pytest.param(lambda: stt.StreamAdapter(stt=faster_whisper.STT(model="bundled"),
-                                           vad=silero.VAD.load()), id="faster_whisper-vad-adapter"),  # fmt: skip
+    pytest.param(
+        lambda: stt.StreamAdapter(stt=faster_whisper.STT(model="bundled"), vad=silero.VAD.load()),
+        id="faster_whisper-vad-adapter",
+    ),  # fmt: skip
 ]
 # The real model's decodes get as long as they need (LiveKit's default 10 s would make these
 # tests depend on the machine's speed).
@@ -79,7 +82,11 @@ def make_test_speech(samples: np.ndarray, *, chunk_duration_ms: int | None = Non
     """Upstream's helper of that name, on our speech: (frames, transcript, duration)."""
     duration = len(samples) / SAMPLE_RATE
     if not chunk_duration_ms:
-        return [rtc.AudioFrame(samples.tobytes(), SAMPLE_RATE, 1, len(samples))], TRANSCRIPT, duration
+        return (
+            [rtc.AudioFrame(samples.tobytes(), SAMPLE_RATE, 1, len(samples))],
+            TRANSCRIPT,
+            duration,
+        )
     n = SAMPLE_RATE * chunk_duration_ms // 1000
     samples = np.pad(samples, (0, -len(samples) % n))
     frames = [rtc.AudioFrame(samples[i : i + n].tobytes(), SAMPLE_RATE, 1, n)
@@ -128,7 +135,9 @@ async def test_stream(stt_factory: Callable[[], STT], speech):
             sos_count, final_count = 0, 0
             async for event in stream:
                 if event.type == agents.stt.SpeechEventType.START_OF_SPEECH:
-                    assert recv_end, "START_OF_SPEECH recv but no END_OF_SPEECH has been sent before"
+                    assert recv_end, (
+                        "START_OF_SPEECH recv but no END_OF_SPEECH has been sent before"
+                    )
                     assert not recv_start
                     recv_end = False
                     recv_start = True

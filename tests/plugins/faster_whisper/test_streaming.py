@@ -27,7 +27,9 @@ from livekit.plugins.faster_whisper import stt as stt_module
 from livekit.plugins.faster_whisper.agreement import StreamingOptions, UtteranceTracker, Word
 from voice_agent.harness.speech_assets import pad_silence, speech_samples
 
-pytestmark = pytest.mark.usefixtures("fail_on_leaked_tasks")  # no task of the plugin outlives a test
+pytestmark = pytest.mark.usefixtures(
+    "fail_on_leaked_tasks"
+)  # no task of the plugin outlives a test
 
 needs_speech = pytest.mark.skipif(
     shutil.which("espeak-ng") is None or shutil.which("sox") is None,
@@ -157,7 +159,9 @@ async def sentence_runs(streaming_stt):
         await run.push_paced(frames[n_speech:])
         run.flush()
         await run.finish()
-        reference = (await streaming_stt.recognize(frames, conn_options=UNHURRIED)).alternatives[0].text
+        reference = (
+            (await streaming_stt.recognize(frames, conn_options=UNHURRIED)).alternatives[0].text
+        )
         runs.append(SentenceRun(text, audio, run, reference))
     streaming_stt.off("metrics_collected", collected.append)
     return runs, collected
@@ -357,7 +361,9 @@ async def test_the_stream_ends_an_utterance_heard_in_full_after_its_silence(stre
         await run.push_paced(frames)
         await wait_until(lambda run=run: run.idle, "the stream to be idle")
         if after is not None:  # ended by itself: its usage, the utterance's last event, was read
-            await wait_until(lambda run=run: Kind.RECOGNITION_USAGE in run.kinds(), "the utterance's end")
+            await wait_until(
+                lambda run=run: Kind.RECOGNITION_USAGE in run.kinds(), "the utterance's end"
+            )
         run.flush()
         await run.finish()
     ended, flushed = runs[0.3], runs[None]
@@ -367,7 +373,9 @@ async def test_the_stream_ends_an_utterance_heard_in_full_after_its_silence(stre
                      Kind.RECOGNITION_USAGE], kinds  # fmt: skip
     assert ended.kinds(ended.events[flush_at:]) == [Kind.RECOGNITION_USAGE]
     (result,) = ended.stream.stats.utterances
-    assert result.reused_pass and result.final_decoded == 0  # no pass after the one that heard it all
+    assert (
+        result.reused_pass and result.final_decoded == 0
+    )  # no pass after the one that heard it all
     final = next(e for e in ended.events if e.type == Kind.FINAL_TRANSCRIPT).alternatives[0]
     assert len(set(norm_words(final.text)) & {"fastest", "way", "airport", "city"}) >= 3
     (flush_at,) = flushed.flushes
@@ -385,7 +393,10 @@ def test_a_pass_that_repeats_itself_stops_at_the_window_cap(streaming_stt, monke
     rate = agreement.SAMPLE_RATE
     before = speech_samples("I want to order a pizza with", sample_rate=rate)
     after = speech_samples("extra cheese and olives.", sample_rate=rate)
-    audio = np.concatenate([before, np.zeros(int(0.9 * rate), np.int16), after]).astype(np.float32) / 32768
+    audio = (
+        np.concatenate([before, np.zeros(int(0.9 * rate), np.int16), after]).astype(np.float32)
+        / 32768
+    )
     start = len(before) + rate // 2  # half a second into the pause
     windows = [agreement.Window(start, audio[start : start + n], "I want to order a pizza with")
                for n in (15200, 16000)]  # fmt: skip
@@ -397,8 +408,14 @@ def test_a_pass_that_repeats_itself_stops_at_the_window_cap(streaming_stt, monke
     monkeypatch.setattr(stt_module, "window_token_cap", lambda seconds: None)  # whisper's own limit
     free = [len(stt_module._decode_window(model, w, opts, "en")[0]) for w in windows]
     print(f"words per window: free {free}, capped {capped}, caps {caps}")
-    assert any(f > c for f, c in zip(free, caps, strict=True)), (free, caps)  # tiny.en does repeat itself here
-    assert all(n <= c for n, c in zip(capped, caps, strict=True)), (capped, caps)  # a word is a token or more
+    assert any(f > c for f, c in zip(free, caps, strict=True)), (
+        free,
+        caps,
+    )  # tiny.en does repeat itself here
+    assert all(n <= c for n, c in zip(capped, caps, strict=True)), (
+        capped,
+        caps,
+    )  # a word is a token or more
 
 
 @needs_speech

@@ -151,7 +151,9 @@ async def test_recognize_without_word_timestamps_and_with_language_hint(whisper)
 
 async def test_silence_gives_empty_transcript(whisper):
     silence = np.zeros(ROOM_RATE, dtype=np.int16)
-    event = await whisper.recognize(frames_of(silence, ROOM_RATE, frame_ms=20), conn_options=UNHURRIED)
+    event = await whisper.recognize(
+        frames_of(silence, ROOM_RATE, frame_ms=20), conn_options=UNHURRIED
+    )
     assert event.alternatives[0].text == ""
     assert (await whisper.recognize([], conn_options=UNHURRIED)).alternatives[0].text == ""
 

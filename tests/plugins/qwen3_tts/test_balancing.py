@@ -378,7 +378,13 @@ async def test_balanced_engine_killed_mid_sentence_fails_over_sample_exact(tiny_
     # sentence's last 4 frames take at least 4 x that after its first audio, so the kill lands
     # mid-sentence at any machine speed (only a 2 s stall of this test's own loop could miss it)
     slow = ("--fault-step-delay-ms", str(KILL_MARGIN_MS))
-    engines = {e.url: e for e in (EngineProcess(ckpt, None, *slow).start(), EngineProcess(ckpt, None, *slow).start())}
+    engines = {
+        e.url: e
+        for e in (
+            EngineProcess(ckpt, None, *slow).start(),
+            EngineProcess(ckpt, None, *slow).start(),
+        )
+    }
     frames = 8
     sentences = ["The first sentence is here.", "Then comes the second one."]
     # the sentence path (the streamed-text path's kill: test_text_stream.py)

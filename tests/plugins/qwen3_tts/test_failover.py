@@ -187,9 +187,7 @@ async def test_fault_fails_over_exactly_and_endpoint_comes_back(pair, fault, str
     stall = fault in ("stall_head", "stall_body")
     conn = APIConnectOptions(max_retry=0, timeout=STALL_TIMEOUT) if stall else PATIENT
     try:
-        stream, audio = await asyncio.wait_for(
-            stream_text(tts, SENTENCES, conn_options=conn), WAIT
-        )
+        stream, audio = await asyncio.wait_for(stream_text(tts, SENTENCES, conn_options=conn), WAIT)
         reports = stream.sentences
         assert [r.text for r in reports] == SENTENCES
         assert reports[0].endpoints == [x.url, y.url]
@@ -236,9 +234,7 @@ async def test_sentence_queued_behind_a_long_one_is_not_a_stall(pair):
     tts = _tts([x.url])
     conn = APIConnectOptions(max_retry=0, timeout=STALL_TIMEOUT)
     try:
-        stream, audio = await asyncio.wait_for(
-            stream_text(tts, SENTENCES, conn_options=conn), WAIT
-        )
+        stream, audio = await asyncio.wait_for(stream_text(tts, SENTENCES, conn_options=conn), WAIT)
         assert [r.endpoints for r in stream.sentences] == [[x.url]] * len(SENTENCES)
         assert x.inputs() == SENTENCES and tts.endpoints.endpoints[0].healthy
         np.testing.assert_array_equal(
@@ -416,7 +412,9 @@ async def test_aclose_ends_open_streams_and_later_calls_raise(pair):
     async def on_audio(samples):
         first_audio.set()
 
-    playing = asyncio.create_task(stream_text(tts, SENTENCES, on_audio=on_audio, conn_options=PATIENT))
+    playing = asyncio.create_task(
+        stream_text(tts, SENTENCES, on_audio=on_audio, conn_options=PATIENT)
+    )
     await asyncio.wait_for(first_audio.wait(), WAIT)
     await _until(lambda: x.inputs() == SENTENCES, "the second sentence's request, prefetched")
     await tts.aclose()
@@ -452,7 +450,8 @@ async def test_real_engine_killed_mid_sentence_without_seed(tiny_checkpoint):
                 await asyncio.to_thread(a.kill)
 
         stream, audio = await asyncio.wait_for(
-            stream_text(tts, SENTENCES, on_audio=kill_a, conn_options=REAL_ENGINE), 300)
+            stream_text(tts, SENTENCES, on_audio=kill_a, conn_options=REAL_ENGINE), 300
+        )
         reports = stream.sentences
         assert killed and reports[0].endpoints == [a.url, b.url] and reports[0].skipped_bytes > 0
         assert reports[-1].endpoints[-1] == b.url

@@ -21,7 +21,9 @@ from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES
 from tests.support.engine_process import free_port
 from tests.support.tts_audio import pcm, synthesize
 
-pytestmark = pytest.mark.usefixtures("fail_on_leaked_tasks")  # no task of the plugin outlives a test
+pytestmark = pytest.mark.usefixtures(
+    "fail_on_leaked_tasks"
+)  # no task of the plugin outlives a test
 
 WAIT = 60.0  # a bound on any one wait: a failure, never a timing claim
 EXAMPLE = "Well, let me check that for you, it will take a moment. Done."
@@ -115,9 +117,11 @@ async def test_the_clause_is_out_before_its_sentence_ends():
                                   "Anything else?",
                                   "The first sentence is here. Then, much later, a clause."])  # fmt: skip
 async def test_no_boundary_with_enough_words_in_the_first_sentence_sends_it_whole(text):
-    """"Sure," is too short (3 words needed) and nothing else cuts the first sentence; a clause of
+    """ "Sure," is too short (3 words needed) and nothing else cuts the first sentence; a clause of
     a later sentence is never cut (only a segment's first request is a clause)."""
-    events = await _stream(FirstClauseTokenizer(_basic(), min_words=3), _pieces(text, random.Random(1)))
+    events = await _stream(
+        FirstClauseTokenizer(_basic(), min_words=3), _pieces(text, random.Random(1))
+    )
     today = await _stream(_basic(), _pieces(text, random.Random(1)))
     assert [e.token for e in events] == [e.token for e in today] == _basic().tokenize(text)
 
@@ -179,7 +183,9 @@ def test_cut_decisions():
                            final=False)  # fmt: skip
     assert cut.clause == "The table (for four, on Friday) is booked,"
     # the first sentence is over before any clause: handed on whole, not cut later
-    cut = cut_first_clause("The first sentence is here. Then, much later", 3, sentences, final=False)
+    cut = cut_first_clause(
+        "The first sentence is here. Then, much later", 3, sentences, final=False
+    )
     assert (cut.clause, cut.rest) == (None, "The first sentence is here. Then, much later")
     assert cut_first_clause("Short, one", 3, sentences, final=True) == type(cut)(None, "Short, one")
 
@@ -356,8 +362,10 @@ async def test_first_request_to_a_real_engine_is_the_first_clause(engine):
     # its 8-frame cap, with the first chunk asked for (2 frames, then 4).
     made = list(handler.history)[before:]
     assert len(made) == 3 and not any(s["cancelled"] for s in made), made
-    assert [s["chunk_frames"][0] for s in made] == [min(2, made[0]["frames"]),
-                                                    *(min(4, s["frames"]) for s in made[1:])]
+    assert [s["chunk_frames"][0] for s in made] == [
+        min(2, made[0]["frames"]),
+        *(min(4, s["frames"]) for s in made[1:]),
+    ]
     assert [r.samples for r in reports] == [s["frames"] * FRAME_SAMPLES for s in made]
     assert len(audio) == sum(s["frames"] for s in made) * FRAME_SAMPLES
 
@@ -387,7 +395,12 @@ async def test_update_options_is_typed_and_normalizes():
     try:
         tts.update_options(voice="aiden", language="en-GB", variant="4bit")
         opts = tts._opts
-        assert (opts.voice, opts.language, opts.variant, opts.seed) == ("aiden", "english", "4bit", 7)
+        assert (opts.voice, opts.language, opts.variant, opts.seed) == (
+            "aiden",
+            "english",
+            "4bit",
+            7,
+        )
         tts.update_options(voice=None)  # None is a value (the model's first voice), not "unchanged"
         assert tts._opts.voice is None and tts._opts.language == "english"
         with pytest.raises(ValueError, match="language"):

@@ -121,7 +121,9 @@ def assert_pcm_audio(*, frames: AudioBuffer, sample_rate: int, num_channels: int
     compressed_formats = {"mp3", "aac", "ogg", "flac", "wav", "mov,mp4,m4a,3gp,3g2,mj2",
                           "matroska,webm", "mpeg"}  # fmt: skip
     try:
-        container = av.open(io.BytesIO(frame.data), options={"probe_size": "32", "analyzeduration": "0"})
+        container = av.open(
+            io.BytesIO(frame.data), options={"probe_size": "32", "analyzeduration": "0"}
+        )
         name = container.format.name
         container.close()
         assert name not in compressed_formats, f"Audio data isn't PCM (detected {name})"
@@ -259,12 +261,16 @@ async def test_tts_timeout(proxy, streamed):
         start = loop.time()
         try:
             with pytest.raises(APITimeoutError):
-                await asyncio.wait_for(run(APIConnectOptions(max_retry=0, timeout=2.5)), timeout=120)
+                await asyncio.wait_for(
+                    run(APIConnectOptions(max_retry=0, timeout=2.5)), timeout=120
+                )
         except TimeoutError:
             pytest.fail("the stall was never timed out (hang guard: 120 s)")
         elapsed_time = loop.time() - start
         print(f"one attempt: APITimeoutError after {elapsed_time:.2f} s (timeout 2.5 s)")
-        assert elapsed_time >= 2.5, f"timed out after {elapsed_time:.2f} s, before the 2.5 s timeout"
+        assert elapsed_time >= 2.5, (
+            f"timed out after {elapsed_time:.2f} s, before the 2.5 s timeout"
+        )
 
         # test retries
         error_events = EventCollector(tts_v, "error")
@@ -415,7 +421,10 @@ async def test_stall_mid_audio_fails_over_sample_exact_after_the_timeout(proxy, 
                  text_input="sentences")  # fmt: skip
     marked: list[tuple[float, str]] = []
     mark_down = tts_v.endpoints.mark_down
-    tts_v.endpoints.mark_down = lambda ep, why: (marked.append((loop.time(), why)), mark_down(ep, why))
+    tts_v.endpoints.mark_down = lambda ep, why: (
+        marked.append((loop.time(), why)),
+        mark_down(ep, why),
+    )
     try:
         stream, audio = await asyncio.wait_for(stream_text(tts_v, [TEXT], conn_options=conn), 300)
     finally:
@@ -426,7 +435,7 @@ async def test_stall_mid_audio_fails_over_sample_exact_after_the_timeout(proxy, 
     np.testing.assert_array_equal(audio, whole)
     # the stalled endpoint was given up on by the timeout, once: on the loop's clock, no sooner
     # than the timeout after the proxy passed its last byte
-    (t_marked, why), = marked
+    ((t_marked, why),) = marked
     assert f"no audio for {conn.timeout:g} s after" in why, why
     since_stall = t_marked - proxy.stalled_at
     print(f"stall detected {since_stall:.2f} s after it began (timeout {conn.timeout:.2f} s)")

@@ -51,7 +51,9 @@ from tests.support.tts_audio import pcm
 
 pytestmark = pytest.mark.usefixtures("fail_on_leaked_tasks")
 FAKE_SECONDS = len(fake_pcm("x", 0)) // 2 / 24000  # the FaultEngine's utterance: 0.269 s
-WAIT = 30.0  # a bound on any wait for an event (a recovery, a call): a failure, never a timing claim
+WAIT = (
+    30.0  # a bound on any wait for an event (a recovery, a call): a failure, never a timing claim
+)
 # conn_options.timeout of the stall tests: the primary never answers, so it fires at any speed;
 # the backup, on this same loop, answers under it too
 STALL = APIConnectOptions(timeout=2.0, max_retry=0, retry_interval=0.1)
@@ -398,7 +400,9 @@ async def test_recovery_is_not_suppressed_across_paths(wire) -> None:
     w1.proxy.set("cut", times=1)  # ... after the first request fails
     fake1 = w1.tts
     fallback_adapter = FallbackAdapterTester([fake1, w2.tts], max_retry_per_tts=0)
-    parked = APIConnectOptions(max_retry=0, timeout=600.0)  # a probe's conn_options are its stream's
+    parked = APIConnectOptions(
+        max_retry=0, timeout=600.0
+    )  # a probe's conn_options are its stream's
 
     async with fallback_adapter.stream(conn_options=parked) as stream:
         stream.push_text("hello test")

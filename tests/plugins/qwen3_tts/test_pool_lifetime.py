@@ -27,7 +27,9 @@ pytestmark = pytest.mark.usefixtures("fail_on_leaked_tasks")
 
 
 def _pool_tasks() -> list[asyncio.Task]:
-    return [t for t in asyncio.all_tasks() if t.get_name().startswith("qwen3-tts-") and not t.done()]
+    return [
+        t for t in asyncio.all_tasks() if t.get_name().startswith("qwen3-tts-") and not t.done()
+    ]
 
 
 async def test_a_stream_adapter_stream_leaves_no_pool_task_after_a_stall():
@@ -42,7 +44,9 @@ async def test_a_stream_adapter_stream_leaves_no_pool_task_after_a_stall():
     try:
         # x never answers: the timeout fails it over to y at any speed
         conn = APIConnectOptions(max_retry=0, timeout=STALL_TIMEOUT)
-        _, audio = await asyncio.wait_for(stream_text(adapter, ["Said by y."], conn_options=conn), WAIT)
+        _, audio = await asyncio.wait_for(
+            stream_text(adapter, ["Said by y."], conn_options=conn), WAIT
+        )
         assert len(audio) == len(fake_pcm("Said by y.", y.seen[0]["seed"])) // 2
         assert not inner.endpoints.endpoints[0].healthy  # x was marked down: it would be probed
         assert _pool_tasks() == []

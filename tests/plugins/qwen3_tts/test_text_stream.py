@@ -155,7 +155,9 @@ async def test_engine_killed_mid_utterance_fails_over_with_the_text_replayed(tin
         a.stop(), b.stop()
 
 
-async def test_a_full_engine_passes_the_streamed_segment_to_the_next_at_once(engine, tiny_checkpoint):
+async def test_a_full_engine_passes_the_streamed_segment_to_the_next_at_once(
+    engine, tiny_checkpoint
+):
     """Engine a is full for real (a queue of 0: it answers every request 429 `engine_full`; on
     the socket an `error` event with `retry_after_s`, after `session.created`). The segment goes
     to engine b within LiveKit's one attempt (max_retry=0: no LiveKit retry, as on the sentence

@@ -17,7 +17,11 @@ from tests.support.tts_audio import stream_text, synthesize
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fail_on_leaked_tasks")]
 FRAMES = 6  # a cap: checkpoints that never emit EOS give every sentence exactly 6
-SENTENCES = ["The first sentence is here.", "Then comes the second one.", "And the third one ends it."]
+SENTENCES = [
+    "The first sentence is here.",
+    "Then comes the second one.",
+    "And the third one ends it.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +96,9 @@ async def test_text_with_nothing_to_say_is_not_sent(engines, text_input):
         stream, audio = await stream_text(tts, ["Hello there, you,", nothing])
         assert len(audio) > 0
         said = [s.text for s in stream.sentences] + [r.text for r in stream.text_streams]
-        assert any("Hello there, you," in t for t in said) and all(has_speakable_text(t) for t in said), said
+        assert any("Hello there, you," in t for t in said) and all(
+            has_speakable_text(t) for t in said
+        ), said
     finally:
         await tts.aclose()
 
@@ -167,8 +173,16 @@ async def test_vllm_omni_fields_sent_exactly():
         await tts.aclose()
         await runner.cleanup()
     assert len(audio) == 4800
-    assert seen == [{
-        "model": "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice", "input": "Hello from vLLM.",
-        "voice": "vivian", "response_format": "pcm", "stream": True, "language": "English",
-        "task_type": "CustomVoice", "instructions": "Speak warmly.", "max_new_tokens": 300,
-    }], json.dumps(seen)
+    assert seen == [
+        {
+            "model": "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice",
+            "input": "Hello from vLLM.",
+            "voice": "vivian",
+            "response_format": "pcm",
+            "stream": True,
+            "language": "English",
+            "task_type": "CustomVoice",
+            "instructions": "Speak warmly.",
+            "max_new_tokens": 300,
+        }
+    ], json.dumps(seen)

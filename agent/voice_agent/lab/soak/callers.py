@@ -36,7 +36,11 @@ class CallerLoop:
                  agent_wait: float = 30.0, log: Callable[[str], None] = lambda _m: None) -> None:  # fmt: skip
         self.index, self.url, self.key, self.secret = index, url, api_key, api_secret
         self.speech, self.clock, self.log = speech, clock, log
-        self.turns_per_call, self.turn_timeout, self.agent_wait = turns_per_call, turn_timeout, agent_wait
+        self.turns_per_call, self.turn_timeout, self.agent_wait = (
+            turns_per_call,
+            turn_timeout,
+            agent_wait,
+        )
         self.turns: list[dict] = []
         self.call: Caller | None = None  # the call in progress
         self.room_name: str | None = None
@@ -72,7 +76,9 @@ class CallerLoop:
                 self.call = self.room_name = None
                 await call.close()
                 try:
-                    await asyncio.wait_for(lk.room.delete_room(api.DeleteRoomRequest(room=name)), 10)
+                    await asyncio.wait_for(
+                        lk.room.delete_room(api.DeleteRoomRequest(room=name)), 10
+                    )
                 except Exception:  # gone already (a server restart), or the server is down
                     pass
             await asyncio.sleep(1.0)
@@ -80,8 +86,9 @@ class CallerLoop:
     async def _converse(self, call: Caller, room: str) -> None:
         answered, attempts, n = 0, 0, 0
         self.lost_agent = None
-        while not self.stop.is_set() and (self.hold or (answered < self.turns_per_call
-                                                       and attempts < 2 * self.turns_per_call)):
+        while not self.stop.is_set() and (
+            self.hold or (answered < self.turns_per_call and attempts < 2 * self.turns_per_call)
+        ):
             attempts += 1
             outcome = await self._turn(call, room, self.speech[(self.index + n) % len(self.speech)])
             n += 1
@@ -120,7 +127,9 @@ class CallerLoop:
             await _until(lambda: call.mic_subscribed is not None, self.agent_wait)
             call.say(audio)
             if not await _until(lambda: call.speech_end is not None, 30):
-                return self._record(t_start, None, "failed", "mic_stalled", room=room, agent=identity, worker=worker)
+                return self._record(
+                    t_start, None, "failed", "mic_stalled", room=room, agent=identity, worker=worker
+                )
             end = call.speech_end
             deadline = time.monotonic() + self.turn_timeout
             first, connected = None, time.monotonic()
@@ -131,13 +140,31 @@ class CallerLoop:
                 if call.room.connection_state == rtc.ConnectionState.CONN_CONNECTED:
                     connected = time.monotonic()
                 if time.monotonic() - connected > 5.0:  # gone, or reconnecting for a while
-                    return self._record(t_start, end, "failed", "disconnected", room=room, agent=identity, worker=worker)
+                    return self._record(
+                        t_start,
+                        end,
+                        "failed",
+                        "disconnected",
+                        room=room,
+                        agent=identity,
+                        worker=worker,
+                    )
                 if identity not in call.room.remote_participants:
                     self.lost_agent = identity
-                    return self._record(t_start, end, "failed", "agent_lost", room=room, agent=identity, worker=worker)
+                    return self._record(
+                        t_start,
+                        end,
+                        "failed",
+                        "agent_lost",
+                        room=room,
+                        agent=identity,
+                        worker=worker,
+                    )
                 await asyncio.sleep(0.05)
             if first is None:
-                return self._record(t_start, end, "failed", "no_answer", room=room, agent=identity, worker=worker)
+                return self._record(
+                    t_start, end, "failed", "no_answer", room=room, agent=identity, worker=worker
+                )
             # the answer goes on until the agent listens again (or leaves)
             await _until(lambda: identity not in call.room.remote_participants or (
                 call.listening_agent() is not None and time.monotonic() - first > 0.5), 60)  # fmt: skip
@@ -156,7 +183,9 @@ class CallerLoop:
         finally:
             self.in_turn = False
 
-    def _record(self, t_start: float, speech_end: float | None, outcome: str, cause: str | None, **kw) -> str:
+    def _record(
+        self, t_start: float, speech_end: float | None, outcome: str, cause: str | None, **kw
+    ) -> str:
         now = time.monotonic()
         to_run = self.clock() - now  # monotonic -> run time
         turn = {"caller": self.index, "t_start": round(t_start, 3),
@@ -167,6 +196,12 @@ class CallerLoop:
             if turn[k] is not None:
                 turn[k] = round(turn[k], 3)
         self.turns.append(turn)
-        self.log(f"caller {self.index}: {outcome}{f' ({cause})' if cause else ''}"
-                 + (f" v2v {turn['voice_to_voice_s']:.2f}s" if turn["voice_to_voice_s"] is not None else ""))
+        self.log(
+            f"caller {self.index}: {outcome}{f' ({cause})' if cause else ''}"
+            + (
+                f" v2v {turn['voice_to_voice_s']:.2f}s"
+                if turn["voice_to_voice_s"] is not None
+                else ""
+            )
+        )
         return outcome if outcome != "failed" else str(cause).split(":")[0]

@@ -40,7 +40,9 @@ class FaultProxy:
         return time.monotonic() < self.outage_until
 
     async def start(self) -> FaultProxy:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
+        )
         app = web.Application(client_max_size=16 << 20)
         app.router.add_route("*", "/{path:.*}", self._forward)
         self.runner, self.port = await serve_on_loopback(app)

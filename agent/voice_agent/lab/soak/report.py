@@ -28,7 +28,11 @@ def latency_summary(turns: list[dict]) -> dict:
                  "failed": sum(t["outcome"] == "failed" for t in turns)}  # fmt: skip
     for column in LATENCIES:
         xs = [t[column] for t in turns if t["outcome"] in HEARD and t.get(column) is not None]
-        out[column] = {"p50": statistics.median(xs) if xs else None, "p95": percentile(xs, 0.95), "n": len(xs)}
+        out[column] = {
+            "p50": statistics.median(xs) if xs else None,
+            "p95": percentile(xs, 0.95),
+            "n": len(xs),
+        }
     return out
 
 
@@ -82,7 +86,9 @@ def struck_turns(fault: dict, turns: list[dict], slack: float = 0.001) -> int:
     return sum(x["t_start"] <= t + slack and x["t_done"] >= t - slack for x in turns)
 
 
-def unexplained_failures(turns: list[dict], faults: list[dict], run_end: float, slack: float = 5.0) -> list[dict]:
+def unexplained_failures(
+    turns: list[dict], faults: list[dict], run_end: float, slack: float = 5.0
+) -> list[dict]:
     """Failed turns that overlap no fault's window (widened by `slack` s): losses no fault caused."""
     windows = [fault_window(f, run_end) for f in faults]
     return [t for t in turns if t["outcome"] == "failed"
@@ -99,7 +105,9 @@ def slope_per_min(samples: list[tuple[float, float]]) -> float | None:
     return None if den == 0 else 60.0 * sum((t - mt) * (v - mv) for t, v in samples) / den
 
 
-def rss_growth(samples: list[tuple[float, float]], *, since: float, min_span: float, warmup: float = 0.0) -> dict:
+def rss_growth(
+    samples: list[tuple[float, float]], *, since: float, min_span: float, warmup: float = 0.0
+) -> dict:
     """RSS growth of one process from its first sample at or after `since` (and `warmup` s after
     its own first sample: loading models is not growth) to its last one. `long_lived`: those
     samples span at least `min_span` seconds (only then does growth count)."""

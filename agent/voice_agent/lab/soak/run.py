@@ -54,8 +54,18 @@ from voice_agent.lab.soak.stack import API_KEY, API_SECRET, LADDER, OPERATOR_KEY
 
 # agent_worker_kill last: its worker's restart (a minute on a loaded 2-core machine) overlaps
 # the short version's last turns instead of delaying the next fault
-FAULTS = ("governor_swap", "engine_worker_kill", "llm_outage", "livekit_restart", "agent_worker_kill")
-PHRASES = ("What time is it right now?", "Can you tell me the time please?", "Hello, what time is it?")
+FAULTS = (
+    "governor_swap",
+    "engine_worker_kill",
+    "llm_outage",
+    "livekit_restart",
+    "agent_worker_kill",
+)
+PHRASES = (
+    "What time is it right now?",
+    "Can you tell me the time please?",
+    "Hello, what time is it?",
+)
 TARGETS = {"agent_worker_kill": "the caller hears an agent again within 10 s",
            "engine_worker_kill": "the next sentence is spoken",
            "governor_swap": "the swap completes and turns go on",
@@ -63,7 +73,9 @@ TARGETS = {"agent_worker_kill": "the caller hears an agent again within 10 s",
            "livekit_restart": "the workers re-register and new calls are answered"}  # fmt: skip
 AGENT_BACK_S = 10.0
 LOAD_WAIT_S = 120.0  # a hang guard: how long a fault waits for a call in the middle of a turn
-STRIKES = 3  # engine_worker_kill: kills until one cuts an utterance (a reply may end as it is killed)
+STRIKES = (
+    3  # engine_worker_kill: kills until one cuts an utterance (a reply may end as it is killed)
+)
 ANSWER = "Sure, it is noon."  # the LLM stand-in's every answer (not what the soak measures)
 MEMORY_GROWTH_PCT = 5.0
 
@@ -77,7 +89,9 @@ class Plan:
     warmup_s: float = 60.0  # no fault before this
     tail_s: float = 120.0  # no fault after minutes*60 - this
     settle_s: float = 15.0  # at least this long between one fault's recovery and the next fault
-    grace_s: float = 120.0  # the run may go on this long past `minutes` for the last fault's "after"
+    grace_s: float = (
+        120.0  # the run may go on this long past `minutes` for the last fault's "after"
+    )
     window_s: float = 60.0  # before/after windows of the latency phases
     sample_s: float = 5.0
     rss_warmup_s: float = 120.0  # a process's RSS counts from this long after its first sample
@@ -114,7 +128,9 @@ def parse_faults(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
     unknown = [n for n in names if n not in FAULTS]
     if unknown:
-        raise ValueError(f"unknown fault(s) {unknown}; choose from {', '.join(FAULTS)}, all or none")
+        raise ValueError(
+            f"unknown fault(s) {unknown}; choose from {', '.join(FAULTS)}, all or none"
+        )
     return names
 
 
@@ -144,7 +160,9 @@ class Soak:
         self.skipped: list[str] = []
         self.lk: api.LiveKitAPI | None = None
         self.run_end = 0.0
-        self._restarts: set[asyncio.Task] = set()  # killed workers started again, until they register
+        self._restarts: set[asyncio.Task] = (
+            set()
+        )  # killed workers started again, until they register
 
     def clock(self) -> float:
         return time.monotonic() - self.t0
@@ -161,7 +179,9 @@ class Soak:
         progress(f"livekit-server {stack.binary} on {stack.url}")
         await asyncio.to_thread(stack.start_livekit)
         # dispatch_wait: a busy machine may take seconds to start a job; sooner would add a second agent
-        self.keeper = CallKeeper(stack.url, API_KEY, API_SECRET, heartbeat_timeout=3.0, dispatch_wait=10.0)
+        self.keeper = CallKeeper(
+            stack.url, API_KEY, API_SECRET, heartbeat_timeout=3.0, dispatch_wait=10.0
+        )
         self._keeper_runner = web.AppRunner(self.keeper.app(), access_log=None)
         await self._keeper_runner.setup()
         await web.TCPSite(self._keeper_runner, "127.0.0.1", stack.webhook_port).start()
@@ -171,8 +191,14 @@ class Soak:
         for tag in ("a", "b"):
             stack.start_worker(tag)
         for tag in ("a", "b"):
-            if not await self._until(lambda t=tag: stack.registrations(t) > 0, 240, alive=lambda t=tag: stack.worker_alive(t)):
-                raise TimeoutError(f"worker {tag} did not register; see {stack.logs}/worker-{tag}.log")
+            if not await self._until(
+                lambda t=tag: stack.registrations(t) > 0,
+                240,
+                alive=lambda t=tag: stack.worker_alive(t),
+            ):
+                raise TimeoutError(
+                    f"worker {tag} did not register; see {stack.logs}/worker-{tag}.log"
+                )
         progress("two workers registered")
         speech = [load_turn_audio(speech_wav(p, sample_rate=48000)) for p in PHRASES]
         self.lk = api.LiveKitAPI(stack.http_url, API_KEY, API_SECRET)
@@ -195,25 +221,42 @@ class Soak:
 
     async def run(self) -> None:
         assert self.stack is not None and self.lk is not None
-        calls = [asyncio.create_task(c.run(self.lk), name=f"caller-{c.index}") for c in self.callers]
+        calls = [
+            asyncio.create_task(c.run(self.lk), name=f"caller-{c.index}") for c in self.callers
+        ]
         sampler = asyncio.create_task(self._sample_loop(), name="soak-sampler")
         try:
             for at, name in self.plan.schedule():
                 await self._sleep_until(at)
-                if not self.faults:  # a turn before the first fault (a busy machine may need longer)
+                if (
+                    not self.faults
+                ):  # a turn before the first fault (a busy machine may need longer)
                     await self._until(lambda: self._heard_after(-1.0) is not None, 120)
                 if self._restarts:  # a killed worker is back (registered) before the next fault
                     await asyncio.wait(self._restarts)
-                if self.faults:  # the previous fault recovered (or gave up) and a turn was heard since
+                if (
+                    self.faults
+                ):  # the previous fault recovered (or gave up) and a turn was heard since
                     last = self.faults[-1]
                     since = (last["t_recovered"] or self.clock()) + self.plan.settle_s
                     await self._sleep_until(since)
-                    await self._until(lambda s=since: self._heard_after(s - self.plan.settle_s) is not None, 60)
-                if not self.plan.every_fault and self.clock() > self.plan.minutes * 60 - self.plan.tail_s / 2:
+                    await self._until(
+                        lambda s=since: self._heard_after(s - self.plan.settle_s) is not None, 60
+                    )
+                if (
+                    not self.plan.every_fault
+                    and self.clock() > self.plan.minutes * 60 - self.plan.tail_s / 2
+                ):
                     self.skipped.append(name)  # earlier faults took longer than planned
                     continue
                 progress(f"t={self.clock():.0f}s: fault {name}")
-                record = {"name": name, "t": None, "t_recovered": None, "recovered": False, "recover_s": None}
+                record = {
+                    "name": name,
+                    "t": None,
+                    "t_recovered": None,
+                    "recovered": False,
+                    "recover_s": None,
+                }
                 self.faults.append(record)
                 try:
                     await getattr(self, f"_fault_{name}")(record)
@@ -259,9 +302,13 @@ class Soak:
         """The first turn whose caller finished speaking after `t` and heard the agent."""
         heard = [x for x in self.turns() if x["outcome"] in outcomes and x["t_speech_end"] is not None
                  and x["t_speech_end"] > t]  # fmt: skip
-        return min(heard, key=lambda x: x["t_speech_end"] + x["voice_to_voice_s"]) if heard else None
+        return (
+            min(heard, key=lambda x: x["t_speech_end"] + x["voice_to_voice_s"]) if heard else None
+        )
 
-    async def _wait_heard(self, t: float, timeout: float, outcomes=("answer", "apology", "greeting")) -> dict | None:
+    async def _wait_heard(
+        self, t: float, timeout: float, outcomes=("answer", "apology", "greeting")
+    ) -> dict | None:
         await self._until(lambda: self._heard_after(t, outcomes) is not None, timeout)
         return self._heard_after(t, outcomes)
 
@@ -332,20 +379,26 @@ class Soak:
             while True:
                 victim = await asyncio.to_thread(active)
                 caller = self._busy()
-                if (caller is not None and victim["queue_depth"] > 0) or time.monotonic() > deadline:
+                if (
+                    caller is not None and victim["queue_depth"] > 0
+                ) or time.monotonic() > deadline:
                     break
                 await asyncio.sleep(0.05)
             os.kill(victim["pid"], signal.SIGKILL)  # in the step that read the state
             self._struck(rec, caller)
             rec["t_strike"] = t = self.clock()  # the strike that counts: the last one
-            rec["t"] = t_first = t if t_first is None else t_first  # the fault's window: from the first
+            rec["t"] = t_first = (
+                t if t_first is None else t_first
+            )  # the fault's window: from the first
             rec.update(pid=victim["pid"], variant=victim["variant"])
             if await self._until(back_from(victim), 180, 0.25):
                 rec["handler_back_s"] = round(self.clock() - t, 2)
             # the engine counts the requests the dead worker left unfinished (HTTP 503, or a stream
             # aborted): the kill struck an utterance only if there was one
             cut = await asyncio.to_thread(stack.engine_requests_cut) - cut_before
-            rec["strikes"].append({"t": round(t, 2), "queue_depth": victim["queue_depth"], "requests_cut": cut})
+            rec["strikes"].append(
+                {"t": round(t, 2), "queue_depth": victim["queue_depth"], "requests_cut": cut}
+            )
             rec["mid_utterance"] = cut > 0
             if cut > 0 or caller is None:
                 break
@@ -373,9 +426,17 @@ class Soak:
             self.proxy.end_outage()
         t_end = self.clock()
         turn = await self._wait_heard(t_end, 120, ("answer",))
-        await self._until(lambda: all(not c.in_turn or c.turn_started > t_end for c in self.callers), 60)
-        during = [x for x in self.turns() if x["t_speech_end"] is not None and t <= x["t_speech_end"] <= t_end]
-        outcomes = {o: sum(x["outcome"] == o for x in during) for o in ("apology", "answer", "failed")}
+        await self._until(
+            lambda: all(not c.in_turn or c.turn_started > t_end for c in self.callers), 60
+        )
+        during = [
+            x
+            for x in self.turns()
+            if x["t_speech_end"] is not None and t <= x["t_speech_end"] <= t_end
+        ]
+        outcomes = {
+            o: sum(x["outcome"] == o for x in during) for o in ("apology", "answer", "failed")
+        }
         rec.update(outage_s=round(t_end - t, 2), refused_requests=self.proxy.refused - refused,
                    turns_during=len(during), during=outcomes)  # fmt: skip
         if turn is not None:
@@ -396,14 +457,18 @@ class Soak:
 
         caller = await self._in_flight(also=beating)
         if caller is None:
-            raise RuntimeError("no call in the middle of a turn, with an agent beating its heartbeat, to kill")
+            raise RuntimeError(
+                "no call in the middle of a turn, with an agent beating its heartbeat, to kill"
+            )
         caller.hold = True  # the caller stays on the call until its agent is back
         try:
             call, room = caller.call, caller.room_name
             agent = call.agent()
             tag = agent.attributes.get("worker")
             if tag not in ("a", "b"):
-                raise RuntimeError(f"the agent in {room} names no worker ({dict(agent.attributes)})")
+                raise RuntimeError(
+                    f"the agent in {room} names no worker ({dict(agent.attributes)})"
+                )
             regs = stack.registrations(tag)
             rec.update(worker=tag, room=room, lost_agent=agent.identity)
             self._struck(rec, caller)
@@ -415,7 +480,10 @@ class Soak:
             def back() -> bool:
                 if not joined and (a := call.agent()) is not None and a.identity != agent.identity:
                     joined.append(time.monotonic())
-                return call.loud_after(t_mono, other_than=agent.identity) is not None or caller.call is not call
+                return (
+                    call.loud_after(t_mono, other_than=agent.identity) is not None
+                    or caller.call is not call
+                )
 
             ok = await self._until(back, 90, 0.1)
             heard = call.loud_after(t_mono, other_than=agent.identity) if ok else None
@@ -427,14 +495,20 @@ class Soak:
                               "error": r.error} for r in self.keeper.recoveries if r.room == room]  # fmt: skip
             rec["new_agent_joined_s"] = round(joined[0] - t_mono, 2) if joined else None
             if heard is not None:
-                rec.update(recovered=True, t_recovered=t + (heard - t_mono), recover_s=round(heard - t_mono, 2))
+                rec.update(
+                    recovered=True,
+                    t_recovered=t + (heard - t_mono),
+                    recover_s=round(heard - t_mono, 2),
+                )
                 rec["within_target"] = rec["recover_s"] <= AGENT_BACK_S
         finally:
             caller.hold = False
         stack.start_worker(tag)  # the host comes back: the next fault waits for its registration
 
         async def registered() -> None:
-            if await self._until(lambda: stack.registrations(tag) > regs, 240, alive=lambda: stack.worker_alive(tag)):
+            if await self._until(
+                lambda: stack.registrations(tag) > regs, 240, alive=lambda: stack.worker_alive(tag)
+            ):
                 rec["worker_restarted_s"] = round(self.clock() - t, 2)
 
         task = asyncio.create_task(registered(), name=f"restart-worker-{tag}")
@@ -490,7 +564,7 @@ class Soak:
         def step(samples: list) -> int:  # at most ~30 points per process
             return max(1, len(samples) // 30)
 
-        for t in (stack.tracked.values() if stack else []):
+        for t in stack.tracked.values() if stack else []:
             if not t.rss:
                 continue
             growth = rss_growth(t.rss, since=since, min_span=span, warmup=plan.rss_warmup_s)
@@ -500,7 +574,11 @@ class Soak:
                               "rss_mb_over_time": [[round(at), round(v / 2**20, 1)] for at, v in t.rss[::step(t.rss)]]})  # fmt: skip
         # the system under test (server, engine, workers and their children) apart from this
         # driver (callers, call keeper, LLM stand-in and proxy), whose growth is reported too
-        long_lived = [p for p in processes if p.get("long_lived") and "growth_pct" in p and p["role"] != "soak"]
+        long_lived = [
+            p
+            for p in processes
+            if p.get("long_lived") and "growth_pct" in p and p["role"] != "soak"
+        ]
         worst = max((p["growth_pct"] for p in long_lived), default=None)
         driver = next((p for p in processes if p["role"] == "soak"), {})
         return {

@@ -20,7 +20,10 @@ import psutil
 from voice_agent.harness import livekit_server
 from voice_agent.harness.livekit_server import free_port, free_udp_port
 
-API_KEY, API_SECRET = "devkey", "soak-secret-0123456789abcdef0123456789"  # HMAC keys want >= 32 bytes
+API_KEY, API_SECRET = (
+    "devkey",
+    "soak-secret-0123456789abcdef0123456789",
+)  # HMAC keys want >= 32 bytes
 ENGINE_KEY, OPERATOR_KEY = "soak-engine-key", "soak-operator-key"
 LADDER = ("bf16", "8bit")  # the governor swap goes back and forth between these
 
@@ -70,7 +73,9 @@ class Stack:
     def env(self, **extra: str) -> dict[str, str]:
         return {**os.environ, "TMPDIR": str(self.tmp), "HF_HUB_OFFLINE": "1", **extra}
 
-    def _launch(self, role: str, cmd: list[str], env: dict[str, str], cwd: Path | None = None) -> subprocess.Popen:
+    def _launch(
+        self, role: str, cmd: list[str], env: dict[str, str], cwd: Path | None = None
+    ) -> subprocess.Popen:
         self._starts[role] = self._starts.get(role, 0) + 1
         log = self.logs / f"{role}.log"
         with open(log, "ab") as fh:
@@ -93,8 +98,14 @@ class Stack:
             raise FileNotFoundError("no livekit-server binary: run scripts/install_livekit_server.sh or set "
                                     "LIVEKIT_SERVER_BIN")  # fmt: skip
         config = self.workdir / "livekit.yaml"
-        config.write_text(livekit_server.config(self.lk_port, self.udp_port, self.webhook_port, API_KEY, API_SECRET))
-        proc = self._launch("livekit-server", livekit_server.command(self.binary, config), self.env())
+        config.write_text(
+            livekit_server.config(
+                self.lk_port, self.udp_port, self.webhook_port, API_KEY, API_SECRET
+            )
+        )
+        proc = self._launch(
+            "livekit-server", livekit_server.command(self.binary, config), self.env()
+        )
         self._wait_http(self.http_url, proc, "livekit-server", timeout)
 
     def stop_livekit(self) -> None:
@@ -236,11 +247,15 @@ class Stack:
     def sample(self) -> None:
         """RSS and open files of every process of ours (soak itself, groups and their children)."""
         now = self.clock()
-        roots = [("soak", os.getpid())] + [(role, p.pid) for role, p in self.procs.items() if p.poll() is None]
+        roots = [("soak", os.getpid())] + [
+            (role, p.pid) for role, p in self.procs.items() if p.poll() is None
+        ]
         for role, pid in roots:
             try:
                 root = psutil.Process(pid)
-                family = [(role, root)] + [(f"{role}/{_short(c)}", c) for c in root.children(recursive=True)]
+                family = [(role, root)] + [
+                    (f"{role}/{_short(c)}", c) for c in root.children(recursive=True)
+                ]
             except psutil.Error:
                 continue
             if role == "soak":

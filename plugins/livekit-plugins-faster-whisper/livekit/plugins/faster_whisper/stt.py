@@ -399,7 +399,8 @@ class SpeechStream(stt.RecognizeStream):
             logger.warning(
                 "faster-whisper: the final of an utterance took longer than conn_options.timeout "
                 "(%g s); finishing it with the %d words heard so far",
-                self._conn_options.timeout, len(result.words) if result else 0,
+                self._conn_options.timeout,
+                len(result.words) if result else 0,
             )
         finally:
             self._flushing = False
@@ -613,7 +614,9 @@ def _validate(opts: _STTOptions) -> None:
     if opts.final_after_silence is not None and not opts.final_after_silence > 0:
         raise ValueError(f"final_after_silence must be > 0 or None, got {opts.final_after_silence}")
     if opts.encoder_context is not None and not 0 < opts.encoder_context <= 30:
-        raise ValueError(f"encoder_context must be in (0, 30] seconds or None, got {opts.encoder_context}")
+        raise ValueError(
+            f"encoder_context must be in (0, 30] seconds or None, got {opts.encoder_context}"
+        )
 
 
 def _load(opts: _STTOptions) -> WhisperModel:

@@ -10,9 +10,21 @@ from .protocol import SAMPLE_RATE, EngineLoad
 from .tts import TTS, ChunkedStream, SentenceReport, SynthesizeStream
 from .version import __version__
 
-__all__ = ["TTS", "ChunkedStream", "SynthesizeStream", "SentenceReport", "EngineLoad",
-           "FirstClauseTokenizer", "SAMPLE_RATE", "TTSModels", "TTSVoices", "TTSLanguages",
-           "TaskTypes", "Variants", "__version__"]
+__all__ = [
+    "TTS",
+    "ChunkedStream",
+    "SynthesizeStream",
+    "SentenceReport",
+    "EngineLoad",
+    "FirstClauseTokenizer",
+    "SAMPLE_RATE",
+    "TTSModels",
+    "TTSVoices",
+    "TTSLanguages",
+    "TaskTypes",
+    "Variants",
+    "__version__",
+]
 
 from livekit.agents import Plugin
 

@@ -31,8 +31,11 @@ def count_words(text: str) -> int:
 
 
 def _open_quote_or_bracket(text: str) -> bool:
-    return text.count('"') % 2 == 1 or text.count("“") > text.count("”") or \
-        text.count("(") > text.count(")")
+    return (
+        text.count('"') % 2 == 1
+        or text.count("“") > text.count("”")
+        or text.count("(") > text.count(")")
+    )
 
 
 def first_clause_end(text: str, min_words: int) -> int | None:

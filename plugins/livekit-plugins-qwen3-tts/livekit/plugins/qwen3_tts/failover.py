@@ -70,7 +70,9 @@ async def speak(pool: EndpointPool, attempt: Attempt, *,
                 raise APIStatusError(f"Qwen3-TTS engines are full ({len(tried)} tried; the last, "
                                      f"{ep.url}, asks to retry after {e.retry_after:g} s)",
                                      status_code=429, body=e.body, retryable=True) from e  # fmt: skip
-            logger.info("TTS endpoint %s is full (429): trying another for %s", ep.url, attempt.what)
+            logger.info(
+                "TTS endpoint %s is full (429): trying another for %s", ep.url, attempt.what
+            )
         except ENDPOINT_FAILURES as e:
             pool.mark_down(ep, f"{type(e).__name__}: {e}")
             if not pool.untried(tried) or not may_fail_over():

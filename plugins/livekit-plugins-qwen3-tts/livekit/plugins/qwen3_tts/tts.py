@@ -506,7 +506,9 @@ class SynthesizeStream(tts.SynthesizeStream):
 
             async def split() -> None:
                 try:
-                    await split_sentences(text, self._tts._tokenizer.tokenize, utterances.send_nowait)
+                    await split_sentences(
+                        text, self._tts._tokenizer.tokenize, utterances.send_nowait
+                    )
                 finally:
                     utterances.close()
 
