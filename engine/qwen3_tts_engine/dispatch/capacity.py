@@ -25,6 +25,8 @@ The model learns both ways:
   the slots). This is how a fresh engine, which knows one size, learns a second one without
   a proportion that over-predicts it.
 
+Slots open one size at a time: at most one more than the largest size measured.
+
 Steps slowed by a fixed time per stream (the fault injection, `messages.StepDelay`) put at least
 that time per stream into every measured size, so a measured size over the budget stays over it.
 """
@@ -155,10 +157,18 @@ class StepModel:
         return self.curve(streams).get(streams)
 
     def slots(self, budget_s: float | None, max_batch: int) -> int:
-        """The most streams (1..max_batch) whose predicted step stays within `budget_s`."""
+        """The most streams (1..max_batch) whose predicted step stays within `budget_s`, and at
+        most one more than the largest size measured: a prediction may open the next size, only
+        a measurement the one after (a noisy fit, flat where a larger batch happened to step
+        faster, would otherwise open every size at once)."""
         if budget_s is None:
             return max_batch
-        fitting = [n for n, seconds in self.curve(max_batch).items() if seconds <= budget_s]
+        ceiling = max(self.measured(), default=0) + 1
+        fitting = [
+            n
+            for n, seconds in self.curve(max_batch).items()
+            if seconds <= budget_s and n <= ceiling
+        ]
         return max([1, *fitting])  # the curve never falls: the fitting sizes are 1..slots
 
 

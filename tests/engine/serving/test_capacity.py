@@ -29,14 +29,17 @@ def test_slots_follow_the_measured_steps():
     assert model.predict(1) == pytest.approx(0.025)
     # unseen sizes: in proportion to the largest smaller size seen (at most that much per stream)
     assert model.predict(3) == pytest.approx(0.075) and model.predict(4) == pytest.approx(0.100)
-    assert model.slots(0.080, 8) == 3
+    assert model.slots(0.080, 8) == 2  # 3 fits the prediction, but slots open one size at a time
     model.observe(3, 0.045)  # batching is cheaper than that: three streams in 45 ms
     # two sizes: the least-squares line through the three samples, 15 ms + 10 ms per stream
     assert model.fit() == pytest.approx((0.015, 0.010))
     assert model.predict(2) == pytest.approx(0.035)
     assert model.predict(3) == pytest.approx(0.045)  # a size seen: its mean
     assert model.predict(5) == pytest.approx(0.065)
-    assert model.slots(0.080, 8) == 6 and model.slots(0.080, 4) == 4
+    assert model.slots(0.080, 8) == 4 and model.slots(0.080, 4) == 4  # 6 fit; 4: one past 3 measured
+    model.observe(4, 0.055)
+    model.observe(5, 0.065)
+    assert model.slots(0.080, 8) == 6
     for _ in range(4):  # the host slowed down: the window forgets the fast steps
         model.observe(1, 0.070)
         model.observe(3, 0.210)
@@ -97,7 +100,7 @@ def test_slots_fall_under_a_slowdown_and_come_back_after_it():
     def fast(n):
         return 0.020 + 0.010 * n  # 6 streams: 80 ms
 
-    t = _feed(model, 0.0, (1, 2, 3), fast)
+    t = _feed(model, 0.0, (1, 2, 3, 4, 5, 6), fast)
     assert model.slots(budget, 8) == 6
     t = _feed(model, t, (3,), lambda n: 0.150)  # a slow spell at 3 streams: 150 ms a step
     assert model.measured()[3] == pytest.approx(0.150)
@@ -105,11 +108,15 @@ def test_slots_fall_under_a_slowdown_and_come_back_after_it():
     now = t + 3600.0  # an idle hour forgets nothing: the age runs on the steps
     assert model.slots(budget, 8) == 2 and 3 in model.measured()
     t = _feed(model, t, (1, 2), fast, steps=500)  # 1,000 fast steps at 1 and 2 streams, 100 s
-    assert 3 not in model.measured()  # the slow spell aged out
-    assert model.slots(budget, 8) == 6  # back: the line through 1 and 2 streams
+    assert 3 not in model.measured()  # the slow spell aged out (and the sizes above it)
+    assert model.slots(budget, 8) == 3  # the line through 1 and 2 streams opens 3 at once
+    for n in (3, 4, 5):  # admission runs each size the slots open, its steps open the next
+        t = _feed(model, t, (n,), fast, steps=4)
+        assert model.slots(budget, 8) == n + 1
+    assert model.slots(budget, 8) == 6  # back
     copy = model.copy()  # a swap's handler starts from these steps, ageing alike
     _feed(copy, t + 61.0, (1,), fast, steps=1)
-    assert set(copy.measured()) == {1} and set(model.measured()) == {1, 2}
+    assert set(copy.measured()) == {1} and set(model.measured()) == {1, 2, 3, 4, 5}
 
 
 def test_batching_that_is_cheap_per_stream_gives_more_slots_than_the_proportion():
