@@ -36,7 +36,9 @@ def test_slots_follow_the_measured_steps():
     assert model.predict(2) == pytest.approx(0.035)
     assert model.predict(3) == pytest.approx(0.045)  # a size seen: its mean
     assert model.predict(5) == pytest.approx(0.065)
-    assert model.slots(0.080, 8) == 4 and model.slots(0.080, 4) == 4  # 6 fit; 4: one past 3 measured
+    assert (
+        model.slots(0.080, 8) == 4 and model.slots(0.080, 4) == 4
+    )  # 6 fit; 4: one past 3 measured
     model.observe(4, 0.055)
     model.observe(5, 0.065)
     assert model.slots(0.080, 8) == 6
