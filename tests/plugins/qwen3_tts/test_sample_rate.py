@@ -92,3 +92,55 @@ async def test_a_real_engine_speaks_at_the_rate(engine, text_input):
         r = await c.post(f"{url}/v1/audio/speech", json=body)
     assert r.status_code == 200 and r.headers["X-Sample-Rate"] == "8000"
     np.testing.assert_array_equal(whole, np.frombuffer(r.content, np.int16))
+
+
+async def test_an_engine_that_ignores_the_rate_fails_the_request_loudly():
+    """An engine older than the field answers 24 kHz whatever was asked (its X-Sample-Rate, its
+    session.created say so): played at 16 kHz that audio would be slow and low, so the request
+    fails with the reason instead, on both transports."""
+    from aiohttp import web
+    from livekit.agents import APIConnectOptions, APIError
+
+    from tests.plugins.qwen3_tts.test_text_socket_failover import FaultSocketEngine
+
+    async def old_speech(request: web.Request) -> web.Response:  # POST as before the field
+        return web.Response(body=b"\0\0" * FRAME_SAMPLES, headers={"X-Sample-Rate": "24000"})
+
+    app = web.Application()
+    app.router.add_post("/v1/audio/speech", old_speech)
+
+    async def ready(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.router.add_get("/ready", ready)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    sockets = await FaultSocketEngine().start()  # its session.created says 24000
+    conn = APIConnectOptions(max_retry=0, timeout=HANG_GUARD)
+    try:
+        tts = _tts(f"http://127.0.0.1:{port}", sample_rate=16000)
+        try:
+            with pytest.raises(APIError, match="does not take `sample_rate`"):
+                async with asyncio.timeout(HANG_GUARD):
+                    async for _ in tts.synthesize(TEXT, conn_options=conn):
+                        pass
+        finally:
+            await tts.aclose()
+        tts = _tts(sockets.url, sample_rate=16000, text_input="stream")
+        try:
+            stream = tts.stream(conn_options=conn)
+            stream.push_text(TEXT)
+            stream.end_input()
+            with pytest.raises(APIError, match="does not take `sample_rate`"):
+                async with asyncio.timeout(HANG_GUARD):
+                    async for _ in stream:
+                        pass
+            await stream.aclose()
+        finally:
+            await tts.aclose()
+    finally:
+        await sockets.stop()
+        await runner.cleanup()

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
-from livekit.agents import APIConnectOptions, APIStatusError
+from livekit.agents import APIConnectOptions, APIError, APIStatusError
 from livekit.agents.telemetry import tracer
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
@@ -18,7 +18,14 @@ from opentelemetry.trace import SpanKind
 from .endpoints import Endpoint, EndpointPool
 from .failover import EngineFull
 from .failures import EndpointUnavailable, Stalled
-from .protocol import HEADER_VARIANT, error_message, retry_after_s
+from .protocol import (
+    HEADER_SAMPLE_RATE,
+    HEADER_VARIANT,
+    SAMPLE_RATE,
+    error_message,
+    rate_mismatch,
+    retry_after_s,
+)
 from .replay import play_unheard
 
 
@@ -97,6 +104,9 @@ class HttpSentenceAttempt:
             if r.status_code != 200:
                 raise APIStatusError(_error_message(r), status_code=r.status_code,
                                      request_id=r.headers.get("x-request-id"), body=r.text)  # fmt: skip
+            asked = self._body.get("sample_rate", SAMPLE_RATE)
+            if why := rate_mismatch(asked, r.headers.get(HEADER_SAMPLE_RATE)):
+                raise APIError(why, retryable=False)
             self._pool.mark_up(ep)
             report.variant = r.headers.get(HEADER_VARIANT)
             received = 0

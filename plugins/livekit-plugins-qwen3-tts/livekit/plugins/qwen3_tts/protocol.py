@@ -71,6 +71,23 @@ def has_speakable_text(text: str) -> bool:
     return any(unicodedata.category(c)[0] not in "CZ" for c in text)
 
 
+def rate_mismatch(asked: int, said: Any) -> str | None:
+    """Why audio the engine says is at `said` Hz (its `X-Sample-Rate`, its `session.created`)
+    cannot be played as `asked` (None: it can, or it said nothing). An engine older than the
+    `sample_rate` field speaks 24 kHz whatever was asked: played at 16 kHz it would be slow and
+    low, so the request fails instead."""
+    try:
+        rate = int(said)
+    except (TypeError, ValueError):
+        return None
+    if rate == asked:
+        return None
+    return (
+        f"the engine answered at {rate} Hz where {asked} Hz was asked: it does not take "
+        "`sample_rate` (an older engine?); run the engine and the plugin from one release"
+    )
+
+
 def normalize_language(value: str | None) -> str:
     """Full lower-case language name for Qwen3-TTS ("en" -> "english"); "auto" when unset."""
     if value is None or value == "":

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
-from livekit.agents import APIConnectOptions, APIStatusError
+from livekit.agents import APIConnectOptions, APIError, APIStatusError
 from livekit.agents.telemetry import tracer
 from opentelemetry import propagate
 from opentelemetry.trace import SpanKind
@@ -33,8 +33,10 @@ from .protocol import (
     EV_SESSION_CREATED,
     MSG_TEXT_APPEND,
     MSG_TEXT_END,
+    SAMPLE_RATE,
     SPEECH_STREAM_PATH,
     SPEECH_STREAM_SUBPROTOCOL,
+    rate_mismatch,
     retry_after_s,
     stream_error,
 )
@@ -207,6 +209,10 @@ class SocketAttempt:
                 continue
             kind = event.get("type") if isinstance(event, dict) else None
             if kind == EV_SESSION_CREATED:
+                if why := rate_mismatch(
+                    self._start.get("sample_rate", SAMPLE_RATE), event.get("sample_rate")
+                ):
+                    raise APIError(why, retryable=False)
                 created = True
                 report.request_ids.append(str(event.get("id") or ""))
                 report.variant = event.get("variant") or report.variant
