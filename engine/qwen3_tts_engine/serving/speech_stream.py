@@ -153,6 +153,7 @@ class _Session:
         self.samples = 0
         self.acked_tokens = -1
         self.messages = 0  # from the client, pings included (ws_max_messages)
+        self.close_code, self.close_reason = 1000, b""  # what `run` closes the socket with
         self._send_lock = asyncio.Lock()
 
     async def run(self) -> None:
@@ -176,8 +177,8 @@ class _Session:
                 logger.info(
                     "%s: socket closed after %d chunks; synthesis cancelled", self.rid, self.chunks
                 )
-            if not self.ws.closed:
-                await self.ws.close()
+            if not self.ws.closed:  # from this task, the only reader: a whole closing handshake
+                await self.ws.close(code=self.close_code, message=self.close_reason)
 
     # -- client -> server --------------------------------------------------------------------
 
@@ -185,11 +186,13 @@ class _Session:
         while True:
             timeout = self._read_timeout()
             try:
-                message = await self.ws.receive(timeout=timeout)
+                message = await self._receive(timeout)
             except TimeoutError:
                 raise SessionEnd(
                     RequestError(self._idle_reason(), status=408, code="idle_timeout")
                 ) from None
+            if message is None:  # the synthesis ended (done, failed or dropped)
+                return
             if message.type in (WSMsgType.CLOSE, WSMsgType.CLOSING, WSMsgType.CLOSED):
                 return
             self.messages += 1
@@ -220,6 +223,25 @@ class _Session:
                 raise SessionEnd(e) from None
             if self.pump is not None and self.pump.done():
                 return  # the synthesis ended (or failed) while the client was writing
+
+    async def _receive(self, timeout: float | None):
+        """The client's next message, or None when the synthesis ends first. Only this task
+        reads and closes the socket: aiohttp's close() from another task while a receive() waits
+        cuts the connection right after its close frame, and the client's answer to it then
+        fails (the client saw 1006 after a clean response.done)."""
+        if self.pump is None:
+            return await self.ws.receive(timeout=timeout)
+        receive = asyncio.ensure_future(self.ws.receive(timeout=timeout))
+        try:
+            await asyncio.wait({receive, self.pump}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not receive.done():
+                receive.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await receive
+        if receive.cancelled():
+            return None
+        return receive.result()  # (its TimeoutError too)
 
     def _read_timeout(self) -> float | None:
         """How long the next client message may take: the first text is due within
@@ -329,8 +351,7 @@ class _Session:
             return await self._fail(as_request_error(e))
         except ClientGone as e:
             return self._drop(e)
-        await self.ws.close()
-        return "200"
+        return "200"  # the reader sees the pump end and closes the socket
 
     def _drop(self, reason: ClientGone) -> str:
         """The client cannot take more: its connection is cut (what it has not read is
@@ -353,8 +374,9 @@ class _Session:
         logger.info("%s: error %d: %s", self.rid, error.status, error.message)
         with contextlib.suppress(ClientGone, RuntimeError):
             await self._send_json(error_event(error, self.config.retry_after_s))
-        code = CLOSE_CLIENT_ERROR if error.status < 500 else CLOSE_SERVER_ERROR
-        await self.ws.close(code=code, message=error.message[:120].encode())
+        # closed by `run` (the reader's task) with this code and reason
+        self.close_code = CLOSE_CLIENT_ERROR if error.status < 500 else CLOSE_SERVER_ERROR
+        self.close_reason = error.message[:120].encode(errors="replace")
         return str(error.status)
 
     async def _send_json(self, data: dict) -> None:

@@ -5,9 +5,7 @@ without a server; the rest on the session's in-process engine (the tiny checkpoi
 
 from __future__ import annotations
 
-import asyncio
 import io
-import json
 import wave
 
 import aiohttp
@@ -27,6 +25,7 @@ from qwen3_tts_engine.protocol import (
     RequestError,
     parse_speech_request,
 )
+from tests.support.speech_socket import until_close
 
 TEXT = "Hello there, how are you?"
 FRAMES = 4  # in two chunks of 2 frames: a stream of more than one chunk
@@ -197,7 +196,6 @@ async def test_post_refuses_44100(engine_url):
 
 async def _session(url: str, start: dict, pieces: list[str]) -> list:
     """A whole socket session: every message, JSON events as dicts, audio as bytes."""
-    out = []
     async with aiohttp.ClientSession(url) as s, s.ws_connect(
         SPEECH_STREAM_PATH, protocols=(SPEECH_STREAM_SUBPROTOCOL,),
         timeout=aiohttp.ClientWSTimeout(ws_close=HANG_GUARD),
@@ -207,14 +205,7 @@ async def _session(url: str, start: dict, pieces: list[str]) -> list:
             await ws.send_json({"type": "input_text.append", "text": piece})
         if pieces:
             await ws.send_json({"type": "input_text.end"})
-        while True:
-            m = await asyncio.wait_for(ws.receive(), HANG_GUARD)
-            if m.type == aiohttp.WSMsgType.TEXT:
-                out.append(json.loads(m.data))
-            elif m.type == aiohttp.WSMsgType.BINARY:
-                out.append(m.data)
-            else:
-                return out
+        return await until_close(ws)
 
 
 @pytest.mark.slow

@@ -23,12 +23,11 @@ from qwen3_tts_engine.dispatch.engine import Engine
 from qwen3_tts_engine.dispatch.handler import Handler
 from qwen3_tts_engine.protocol import MAX_ERROR_CHARS, SPEECH_STREAM_PATH, SPEECH_STREAM_SUBPROTOCOL
 from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
+from tests.support.speech_socket import HANG_GUARD, connect, receive, speak
 
 pytestmark = pytest.mark.slow
 API_KEY = "abuse-key"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 START = {"type": "session.start", "voice": "ryan", "language": "en", "seed": 3}
-HANG_GUARD = 180
 MEMORY_BOUND = 100 << 20  # what one abusive client may add to the server process, at most
 TEXT, BINARY, CLOSE, PING = 0x1, 0x2, 0x8, 0x9
 
@@ -59,40 +58,17 @@ async def bounded(server, session):
     rss = psutil.Process().memory_info().rss
     yield
     assert psutil.Process().memory_info().rss - rss < MEMORY_BOUND
-    events = await _speak(session)
+    events = await speak(session, API_KEY, START, ["Hello there."])
     assert events[-1]["type"] == "response.done" and events[-1]["frames"] > 0
     assert server.engine.active.pid == pid and server.engine.active.restarts == 0
 
 
-def _connect(session, **kw):
-    return session.ws_connect(SPEECH_STREAM_PATH, headers=AUTH, protocols=(SPEECH_STREAM_SUBPROTOCOL,),
-                              timeout=aiohttp.ClientWSTimeout(ws_close=HANG_GUARD), **kw)  # fmt: skip
-
-
-async def _next(ws):
-    m = await asyncio.wait_for(ws.receive(), HANG_GUARD)
-    if m.type == aiohttp.WSMsgType.TEXT:
-        return json.loads(m.data)
-    return m.data if m.type == aiohttp.WSMsgType.BINARY else m
-
-
-async def _speak(session, text: str = "Hello there.") -> list:
-    async with _connect(session) as ws:
-        await ws.send_json(START)
-        await ws.send_json({"type": "input_text.append", "text": text})
-        await ws.send_json({"type": "input_text.end"})
-        events = []
-        while not isinstance(event := await _next(ws), aiohttp.WSMessage):
-            events.append(event)
-    return events
-
-
 async def _refused(ws, status: int) -> dict:
     """The error event (skipping what came before it), then a 1008 close."""
-    while not (isinstance(event := await _next(ws), dict) and event["type"] == "error"):
+    while not (isinstance(event := await receive(ws), dict) and event["type"] == "error"):
         assert not isinstance(event, aiohttp.WSMessage), f"closed without an error event: {event}"
     assert event["status"] == status, event
-    closed = await _next(ws)
+    closed = await receive(ws)
     assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 1008, closed
     return event
 
@@ -170,18 +146,18 @@ async def test_a_compressed_frame_is_never_inflated(server, bounded):
 
 async def test_floods_of_tiny_appends_or_pings_end_the_session(server, session, bounded):
     limit = server.config.ws_max_messages
-    async with _connect(session) as ws:
+    async with connect(session, API_KEY) as ws:
         await ws.send_json(START)
         for _ in range(limit + 10):
             await ws.send_json({"type": "input_text.append", "text": ""})
         event = await _refused(ws, 429)
         assert "ws_max_messages" in event["error"]["message"]
-    async with _connect(session, autoping=False) as ws:
+    async with connect(session, API_KEY, autoping=False) as ws:
         await ws.send_json(START)
         for _ in range(limit + 10):
             await ws.ping(b"x")
         pongs = 0
-        while not (isinstance(event := await _next(ws), dict) and event["type"] == "error"):
+        while not (isinstance(event := await receive(ws), dict) and event["type"] == "error"):
             assert (
                 not isinstance(event, aiohttp.WSMessage) or event.type == aiohttp.WSMsgType.PONG
             ), event
@@ -191,7 +167,7 @@ async def test_floods_of_tiny_appends_or_pings_end_the_session(server, session, 
 
 async def test_deeply_nested_or_unparsable_json_is_a_400(server, session, bounded):
     for junk in ("[" * 100_000 + "]" * 100_000, '{"type": ' + "1" * 10_000 + "}", "{" * 50_000):
-        async with _connect(session) as ws:
+        async with connect(session, API_KEY) as ws:
             await ws.send_str(junk)
             event = await _refused(ws, 400)
             assert "JSON" in event["error"]["message"]
@@ -226,7 +202,7 @@ async def test_fragmented_frames_are_one_message_and_malformed_ones_a_protocol_e
 
 
 async def test_huge_or_countless_start_fields_are_refused(server, session, bounded):
-    async with _connect(session) as ws:
+    async with connect(session, API_KEY) as ws:
         await ws.send_json({**START, **{f"field{i}": i for i in range(10_000)}})
         event = await _refused(ws, 400)
         assert "fields" in event["error"]["message"]
@@ -241,11 +217,11 @@ async def test_huge_or_countless_start_fields_are_refused(server, session, bound
 
 
 async def test_an_error_never_echoes_megabytes(server, session, bounded):
-    async with _connect(session) as ws:
+    async with connect(session, API_KEY) as ws:
         await ws.send_json({"type": "x" * (2 << 20)})
         event = await _refused(ws, 400)
         assert len(event["error"]["message"]) <= MAX_ERROR_CHARS
-    async with _connect(session) as ws:
+    async with connect(session, API_KEY) as ws:
         await ws.send_json({**START, "voice": "v" * (2 << 20)})
         event = await _refused(ws, 400)
         assert (
@@ -258,7 +234,7 @@ async def test_many_upgrades_at_once_are_capped(server, session, monkeypatch, bo
 
     async def upgrade():
         try:
-            return await _connect(session)
+            return await connect(session, API_KEY)
         except aiohttp.WSServerHandshakeError as e:
             return e.status
 

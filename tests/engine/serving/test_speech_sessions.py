@@ -8,7 +8,6 @@ the only timeouts that fire are the ones under test."""
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import struct
 
@@ -18,14 +17,14 @@ import pytest
 
 from qwen3_tts_engine.dispatch.engine import Engine
 from qwen3_tts_engine.dispatch.handler import Handler
-from qwen3_tts_engine.protocol import SPEECH_STREAM_PATH, SPEECH_STREAM_SUBPROTOCOL, Limits
+from qwen3_tts_engine.protocol import Limits
 from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
+from tests.support.speech_socket import HANG_GUARD, connect, receive, speak
 
 pytestmark = pytest.mark.slow
 API_KEY = "sessions-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 START = {"type": "session.start", "voice": "ryan", "language": "en", "seed": 3}
-HANG_GUARD = 180  # seconds: a bound only a hang reaches
 LONG_TEXT = "A long reply that goes on and on and on, " * 20
 
 
@@ -49,20 +48,6 @@ async def session(server):
         yield s
 
 
-def _connect(session, **kw):
-    return session.ws_connect(SPEECH_STREAM_PATH, headers=AUTH, protocols=(SPEECH_STREAM_SUBPROTOCOL,),
-                              timeout=aiohttp.ClientWSTimeout(ws_close=HANG_GUARD), **kw)  # fmt: skip
-
-
-async def _next(ws):
-    m = await asyncio.wait_for(ws.receive(), HANG_GUARD)
-    if m.type == aiohttp.WSMsgType.TEXT:
-        return json.loads(m.data)
-    if m.type == aiohttp.WSMsgType.BINARY:
-        return m.data
-    return m  # a close
-
-
 async def _load(server) -> dict:
     async with httpx.AsyncClient(timeout=HANG_GUARD) as c:
         return (await c.get(f"http://127.0.0.1:{server.port}/load")).json()
@@ -78,22 +63,10 @@ async def _until_load(server, predicate, what: str) -> dict:
 
 
 async def _started(session) -> aiohttp.ClientWebSocketResponse:
-    ws = await _connect(session)
+    ws = await connect(session, API_KEY)
     await ws.send_json(START)
-    assert (await _next(ws))["type"] == "session.created"
+    assert (await receive(ws))["type"] == "session.created"
     return ws
-
-
-async def _speak(session, text: str = "Hello there.") -> list:
-    """One streamed utterance to its end: its events (audio as bytes)."""
-    async with _connect(session) as ws:
-        await ws.send_json(START)
-        await ws.send_json({"type": "input_text.append", "text": text})
-        await ws.send_json({"type": "input_text.end"})
-        events = []
-        while not isinstance(event := await _next(ws), aiohttp.WSMessage):
-            events.append(event)
-    return events
 
 
 async def _post(server, **body) -> httpx.Response:
@@ -125,7 +98,7 @@ async def test_sessions_waiting_for_text_hold_no_stream_and_no_slot(server, sess
         # behind the idle sessions' slots until the hang guard)
         r = await _post(server, max_new_tokens=4)
         assert r.status_code == 200 and len(r.content) > 0
-        events = await _speak(session)
+        events = await speak(session, API_KEY, START, ["Hello there."])
         assert events[-1]["type"] == "response.done" and any(isinstance(e, bytes) for e in events)
     finally:
         for ws in idle:
@@ -150,7 +123,7 @@ async def test_sessions_closed_or_reset_right_after_their_start_free_everything(
     load = await _until_load(server, lambda x: x["running"] == 0 and x["waiting"] == 0 and x["sessions"] == 0,
                              "idle after the sockets closed")  # fmt: skip
     assert load["sessions_waiting_for_text"] == 0
-    events = await _speak(session)  # the next utterance is served
+    events = await speak(session, API_KEY, START, ["Hello there."])  # the next utterance is served
     assert events[-1]["type"] == "response.done" and events[-1]["frames"] > 0
 
 
@@ -162,9 +135,9 @@ async def test_sessions_closed_while_their_streams_wait_to_start_free_everything
     said running 1 for good)."""
     sockets = []
     for _ in range(6):
-        ws = await _connect(session)
+        ws = await connect(session, API_KEY)
         await ws.send_json({**START, "text_start_tokens": 16})
-        assert (await _next(ws))["type"] == "session.created"
+        assert (await receive(ws))["type"] == "session.created"
         await ws.send_json({"type": "input_text.append", "text": "Hi"})  # one token of 16
         sockets.append(ws)
     await _until_load(server, lambda x: x["running"] + x["waiting"] == 6, "six streams")
@@ -172,7 +145,7 @@ async def test_sessions_closed_while_their_streams_wait_to_start_free_everything
         await ws.close()
     await _until_load(server, lambda x: x["running"] == 0 and x["waiting"] == 0 and x["sessions"] == 0,
                       "idle after the sockets closed")  # fmt: skip
-    events = await _speak(session)
+    events = await speak(session, API_KEY, START, ["Hello there."])
     assert events[-1]["type"] == "response.done" and events[-1]["frames"] > 0
 
 
@@ -180,16 +153,16 @@ async def test_a_cancel_while_the_server_is_busy_stops_the_audio_within_a_chunk(
     busy = asyncio.ensure_future(_post(server, input=LONG_TEXT, text_mode="dual"))  # the other row
     try:
         await _until_load(server, lambda x: x["running"] == 1, "the busy POST")
-        async with _connect(session) as ws:
+        async with connect(session, API_KEY) as ws:
             await ws.send_json(START)
             await ws.send_json({"type": "input_text.append", "text": LONG_TEXT})
             events = []
-            while not isinstance(event := await _next(ws), bytes):  # the first chunk
+            while not isinstance(event := await receive(ws), bytes):  # the first chunk
                 events.append(event)
             await ws.send_json({"type": "response.cancel"})
             after = []
             while not (
-                isinstance(event := await _next(ws), dict) and event["type"] == "response.done"
+                isinstance(event := await receive(ws), dict) and event["type"] == "response.done"
             ):
                 assert not isinstance(event, aiohttp.WSMessage), (
                     f"closed before response.done: {event}"
@@ -211,19 +184,19 @@ async def test_a_cancel_while_the_server_is_busy_stops_the_audio_within_a_chunk(
 async def test_idle_sessions_time_out_with_an_error_event(server, session, monkeypatch):
     monkeypatch.setattr(server.config, "ws_first_text_timeout_s", 0.5)
     ws = await _started(session)  # no text: the first text's timeout
-    error = await _next(ws)
+    error = await receive(ws)
     assert (
         error["type"] == "error"
         and error["status"] == 408
         and "ws_first_text_timeout_s" in error["error"]["message"]
     )
-    closed = await _next(ws)
+    closed = await receive(ws)
     assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 1008
     monkeypatch.setattr(server.config, "ws_first_text_timeout_s", HANG_GUARD * 10)
     monkeypatch.setattr(server.config, "ws_idle_timeout_s", 0.5)
     ws = await _started(session)
     await ws.send_json({"type": "input_text.append", "text": "Hello"})  # then nothing, no end
-    while not (isinstance(event := await _next(ws), dict) and event["type"] == "error"):
+    while not (isinstance(event := await receive(ws), dict) and event["type"] == "error"):
         assert not isinstance(event, aiohttp.WSMessage), event
     assert event["status"] == 408 and "ws_idle_timeout_s" in event["error"]["message"], event
     await _until_load(
@@ -233,9 +206,9 @@ async def test_idle_sessions_time_out_with_an_error_event(server, session, monke
 
 async def test_a_peer_that_answers_no_ping_is_closed(server, session, monkeypatch):
     monkeypatch.setattr(server.config, "ws_heartbeat_s", 0.5)
-    ws = await _connect(session, autoping=False)  # this client never answers a ping
+    ws = await connect(session, API_KEY, autoping=False)  # this client never answers a ping
     await ws.send_json(START)
-    assert (await _next(ws))["type"] == "session.created"
+    assert (await receive(ws))["type"] == "session.created"
     kinds = []
     while (m := await asyncio.wait_for(ws.receive(), HANG_GUARD)).type not in (
             aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING):  # fmt: skip
@@ -249,12 +222,12 @@ async def test_open_sessions_are_capped_at_the_upgrade(server, session, monkeypa
     first, second = await _started(session), await _started(session)
     try:
         with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
-            await _connect(session)
+            await connect(session, API_KEY)
         assert refused.value.status == 429
         assert refused.value.headers["Retry-After"] == str(server.config.retry_after_s)
     finally:
         await first.close()
         await second.close()
     await _until_load(server, lambda x: x["sessions"] == 0, "no sessions")
-    events = await _speak(session)  # room again
+    events = await speak(session, API_KEY, START, ["Hello there."])  # room again
     assert events[-1]["type"] == "response.done"

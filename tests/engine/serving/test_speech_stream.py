@@ -28,6 +28,7 @@ from qwen3_tts_engine.protocol import (
 )
 from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 from qwen3_tts_engine.worker.incremental_text import text_token_ids
+from tests.support.speech_socket import until_close
 
 pytestmark = pytest.mark.slow
 API_KEY = "ws-key-123"
@@ -65,19 +66,6 @@ async def session(server):
 def _connect(session, headers=AUTH):
     return session.ws_connect(SPEECH_STREAM_PATH, headers=headers, protocols=(SPEECH_STREAM_SUBPROTOCOL,),
                               timeout=aiohttp.ClientWSTimeout(ws_close=HANG_GUARD))  # fmt: skip
-
-
-async def _events(ws) -> list:
-    """Every message until the server closes: JSON events as dicts, audio as bytes."""
-    out = []
-    while True:
-        m = await asyncio.wait_for(ws.receive(), HANG_GUARD)
-        if m.type == aiohttp.WSMsgType.TEXT:
-            out.append(json.loads(m.data))
-        elif m.type == aiohttp.WSMsgType.BINARY:
-            out.append(m.data)
-        else:
-            return out
 
 
 async def _next(ws):
@@ -134,7 +122,7 @@ async def test_appended_pieces_are_spoken_as_the_whole_text(server, session, che
         for piece in pieces if isinstance(pieces, list) else _pieces(TEXT, pieces):
             await ws.send_json({"type": "input_text.append", "text": piece})
         await ws.send_json({"type": "input_text.end"})
-        events = await _events(ws)
+        events = await until_close(ws)
         assert ws.close_code == 1000
     kinds = [e["type"] if isinstance(e, dict) else "audio" for e in events]
     assert kinds[0] == "session.created" and events[0]["sample_rate"] == 24000 and events[0]["id"]
@@ -173,7 +161,7 @@ async def test_two_streams_batched_each_speak_their_whole_text(server, session):
         for ws in sockets.values():
             await ws.send_json({"type": "input_text.end"})
         for size, ws in sockets.items():
-            heard[size] += await _events(ws)
+            heard[size] += await until_close(ws)
     finished = list(handler.history)[-2:]
     assert all(h["peak_batch"] >= 2 for h in finished), finished
     for size, text in texts.items():
@@ -208,7 +196,7 @@ async def _error_of(session, *messages) -> tuple[dict, int]:
                 await ws.send_str(m)
             else:
                 await ws.send_json(m)
-        events = await _events(ws)
+        events = await until_close(ws)
         code = ws.close_code
     errors = [e for e in events if isinstance(e, dict) and e["type"] == "error"]
     assert len(errors) == 1 and events[-1] is errors[0], events
@@ -305,7 +293,7 @@ async def test_sessions_are_counted_as_post_requests_are(server, session):
     async with _connect(session) as ws:
         await ws.send_json({**START, "input": TEXT})
         await ws.send_json({"type": "input_text.end"})
-        assert (await _events(ws))[-1]["type"] == "response.done"
+        assert (await until_close(ws))[-1]["type"] == "response.done"
     await _error_of(session, b"binary")
     after = {}
 
@@ -334,7 +322,7 @@ async def test_response_cancel_ends_with_a_cancelled_done(server, session):
         while not isinstance((await asyncio.wait_for(ws.receive(), HANG_GUARD)).data, bytes):
             pass
         await ws.send_json({"type": "response.cancel"})
-        events = await _events(ws)
+        events = await until_close(ws)
     done = [e for e in events if isinstance(e, dict) and e["type"] == "response.done"]
     assert done and done[-1]["cancelled"] is True
     await _wait(lambda: handler.in_flight == 0)
@@ -360,7 +348,7 @@ async def test_a_stream_waiting_for_text_holds_no_one_back(server, session):
         await _wait(lambda: handler.batching.get("text_waits", 0) > waits)
         await ws.send_json({"type": "input_text.append", "text": "me, please."})
         await ws.send_json({"type": "input_text.end"})
-        events = await _events(ws)
+        events = await until_close(ws)
     assert events[-1]["type"] == "response.done" and events[-1]["frames"] > 0
     # its playback restarts after the wait: the LLM's pause is not the engine's underrun
     stats = handler.last_stats
@@ -384,7 +372,7 @@ async def test_a_burst_of_a_thousand_appends_is_spoken(server, session):
         for ch in text:
             await ws.send_json({"type": "input_text.append", "text": ch})
         await ws.send_json({"type": "input_text.end"})
-        events = await _events(ws)
+        events = await until_close(ws)
     assert not [e for e in events if isinstance(e, dict) and e["type"] == "error"]
     acks = [e for e in events if isinstance(e, dict) and e["type"] == "input_text.ack"]
     tokens = [a["tokens"] for a in acks]
@@ -444,7 +432,7 @@ async def test_a_client_that_never_reads_is_dropped_and_holds_no_one_back(server
         await ws.send_json(START)
         await ws.send_json({"type": "input_text.append", "text": TEXT})
         await ws.send_json({"type": "input_text.end"})
-        events = await _events(ws)
+        events = await until_close(ws)
     assert events[-1]["type"] == "response.done" and events[-1]["frames"] > 0
     await _wait(lambda: handler.in_flight == 0 and len(handler.history) >= finished + 2)
     dropped = [h for h in list(handler.history)[finished:] if h["cancelled"]]

@@ -33,6 +33,7 @@ from qwen3_tts_engine.protocol import (
     parse_speech_request,
 )
 from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
+from tests.support.speech_socket import until_close
 
 pytestmark = pytest.mark.slow
 API_KEY = "text-key-123"
@@ -81,19 +82,11 @@ def _connect(session):
 async def _session(session, *messages) -> tuple[list, int | None]:
     """Send the messages (the server may close before the last: the utterance ended, or an
     earlier one was refused), then every message until the server closes, and its close code."""
-    out = []
     async with _connect(session) as ws:
         with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionError):
             for m in messages:
                 await ws.send_str(json.dumps(m))
-        while True:
-            m = await asyncio.wait_for(ws.receive(), HANG_GUARD)
-            if m.type == aiohttp.WSMsgType.TEXT:
-                out.append(json.loads(m.data))
-            elif m.type == aiohttp.WSMsgType.BINARY:
-                out.append(m.data)
-            else:
-                break
+        out = await until_close(ws)
         return out, ws.close_code
 
 
