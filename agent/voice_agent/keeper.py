@@ -37,6 +37,8 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from livekit import api
 from livekit.protocol.models import ParticipantInfo
 
+from voice_agent.recovery import ATTRIBUTE_VOICE_AGENT, voice_agent_mark
+
 logger = logging.getLogger("voice_agent.keeper")
 CALLER_KINDS = (ParticipantInfo.Kind.STANDARD, ParticipantInfo.Kind.SIP)
 MAX_BODY = 64 * 1024
@@ -77,6 +79,7 @@ class CallKeeper:
                  sweep: float = SWEEP_S) -> None:  # fmt: skip
         self.url, self.api_key, self.api_secret = url, api_key, api_secret
         self.agent_name = agent_name
+        self._mark = voice_agent_mark(agent_name)  # what our agents' ATTRIBUTE_VOICE_AGENT says
         self.heartbeat_timeout, self.dispatch_wait, self.tick_s = (
             heartbeat_timeout,
             dispatch_wait,
@@ -150,19 +153,13 @@ class CallKeeper:
             self.rooms[room] = RoomWatch(started=now, agents=dict(old.agents) if old else {})
         elif event.event == "room_finished":
             self.rooms.pop(room, None)
-        elif (
-            event.event == "participant_joined"
-            and event.participant.kind == ParticipantInfo.Kind.AGENT
-        ):
+        elif event.event == "participant_joined" and self._ours(event.participant):
             watch = self.rooms.setdefault(room, RoomWatch(started=now))
             # its job beats once its session has started, seconds after the join on a busy host:
             # the heartbeat timeout runs from FIRST_BEAT_GRACE after the join
             watch.agents.setdefault(event.participant.identity, now + FIRST_BEAT_GRACE)
             watch.dispatch_id = None
-        elif (
-            event.event == "participant_left"
-            and event.participant.kind == ParticipantInfo.Kind.AGENT
-        ):
+        elif event.event == "participant_left" and self._ours(event.participant):
             watch = self.rooms.get(room)
             identity = event.participant.identity
             if watch is not None:
@@ -171,6 +168,13 @@ class CallKeeper:
                     watch.left[identity] = now  # a crash or a removal, unless "ended" comes soon
                 watch.agents.pop(identity, None)
         return web.Response(text="ok")
+
+    def _ours(self, participant: ParticipantInfo) -> bool:
+        """One of this project's voice agents (the attribute its jobs are accepted with,
+        `recovery.accept_job`): an agent of another name (a note-taker, a transcription bot) is
+        a bystander, neither watched for heartbeats nor counted as the call's agent."""
+        return (participant.kind == ParticipantInfo.Kind.AGENT
+                and participant.attributes.get(ATTRIBUTE_VOICE_AGENT) == self._mark)  # fmt: skip
 
     async def _on_heartbeat(self, request: web.Request) -> web.Response:
         token = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
@@ -350,7 +354,7 @@ class CallKeeper:
             logger.warning("room %s: %s; LiveKit unreachable: %s", room, reason, e)
             return
         callers = [p for p in people if p.kind in CALLER_KINDS]
-        agents = [p for p in people if p.kind == ParticipantInfo.Kind.AGENT and p.identity != lost]
+        agents = [p for p in people if self._ours(p) and p.identity != lost]
         if not callers:
             if not agents:
                 self._forget(room, watch)  # nobody waits: LiveKit closes the room by itself

@@ -23,11 +23,13 @@ from tests.support.engine_process import free_port
 from tests.support.livekit_server import livekit_server  # noqa: F401 (the fixture)
 from voice_agent.keeper import FIRST_BEAT_GRACE, CallKeeper, RoomWatch
 from voice_agent.recovery import (
+    ATTRIBUTE_VOICE_AGENT,
     HISTORY_CHARS,
     HISTORY_TURNS,
     NOT_JOINED,
     history_from_metadata,
     metadata_with_history,
+    voice_agent_mark,
     yields_to,
 )
 
@@ -250,12 +252,41 @@ async def test_an_agent_lost_while_its_room_is_busy_is_decided_after(monkeypatch
     await asyncio.sleep(0)
 
 
-def _signed_webhook(server, event: str, room: str) -> tuple[str, dict]:
+def _signed_webhook(
+    server, event: str, room: str, participant: dict | None = None
+) -> tuple[str, dict]:
     """A webhook body and headers as livekit-server signs them (the body's sha256 in the token)."""
-    body = json.dumps({"event": event, "room": {"name": room}})
+    body = json.dumps(
+        {
+            "event": event,
+            "room": {"name": room},
+            **({"participant": participant} if participant else {}),
+        }
+    )
     digest = base64.b64encode(hashlib.sha256(body.encode()).digest()).decode()
     token = api.AccessToken(server.api_key, server.api_secret).with_sha256(digest).to_jwt()
     return body, {"Authorization": token, "Content-Type": "application/webhook+json"}
+
+
+async def test_the_keeper_watches_only_this_projects_agents(livekit_server):  # noqa: F811
+    """A bystander agent (a note-taker: kind AGENT, another name) joining a call is neither
+    watched for heartbeats (the keeper removed it as a lost agent after FIRST_BEAT_GRACE) nor
+    counted as the call's agent; one of ours (accepted with ATTRIBUTE_VOICE_AGENT) is."""
+    server = livekit_server
+    keeper = CallKeeper(server.url, server.api_key, server.api_secret)
+    port = free_port()
+    runner = await _serve(keeper, port)
+    try:
+        async with httpx.AsyncClient() as c:
+            for identity, attributes in (("agent-notes", {"lk.agent.name": "note-taker"}),
+                                         ("agent-ours", {ATTRIBUTE_VOICE_AGENT: voice_agent_mark("")})):  # fmt: skip
+                body, headers = _signed_webhook(server, "participant_joined", "r", {
+                    "identity": identity, "kind": "AGENT", "attributes": attributes})  # fmt: skip
+                r = await c.post(f"http://127.0.0.1:{port}/webhook", content=body, headers=headers)
+                assert r.status_code == 200
+        assert list(keeper.rooms["r"].agents) == ["agent-ours"]
+    finally:
+        await runner.cleanup()
 
 
 async def test_a_room_started_again_keeps_its_watch_against_an_older_decision(livekit_server):  # noqa: F811
