@@ -75,7 +75,8 @@ def test_same_rate_passes_through():
 def test_the_filter_is_resample_polys(rate):
     """The filter is scipy's resample_poly default, and the output upfirdn's cut to length (to
     within 1 LSB: rounding of the same sums)."""
-    signal = pytest.importorskip("scipy.signal")
+    from scipy import signal  # installed with the engine's dependencies (uv.lock)
+
     r = Resampler(SAMPLE_RATE, rate)
     m = max(r.up, r.down)
     h = signal.firwin(2 * 10 * m + 1, 1.0 / m, window=("kaiser", 5.0)) * r.up
