@@ -249,7 +249,10 @@ class CallKeeper:
             watch.left.pop(identity, None)
             watch.quiet_until = now + LEFT_GRACE
         else:
-            watch.agents[identity] = now
+            # a beat within FIRST_BEAT_GRACE of the join keeps the grace: a job's first seconds
+            # (its session starting on a busy host) may stall its beats for seconds (seen: 3.5 s
+            # between its first two beats, and a healthy agent removed as lost)
+            watch.agents[identity] = max(now, watch.agents.get(identity, now))
             watch.dispatch_id = None
 
     async def _on_status(self, _request: web.Request) -> web.Response:

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import httpx
 import pytest
@@ -219,11 +220,14 @@ async def test_a_joined_agent_has_a_grace_before_its_first_heartbeat(monkeypatch
         return None
 
     monkeypatch.setattr(keeper, "_recover", recover)
-    joined = 100.0
+    joined = time.monotonic()  # the keeper's clock (a beat is dated by it)
     keeper.rooms["r"] = RoomWatch(started=joined, agents={"agent-1": joined + FIRST_BEAT_GRACE})
     keeper.check(joined + 3.5)  # past the timeout after the join, but within the grace
     assert not keeper.decisions
-    keeper.check(joined + FIRST_BEAT_GRACE + 3.5)  # no beat ever came
+    keeper._beat("r", "agent-1", "alive")  # a first beat soon after the join keeps the grace
+    keeper.check(joined + 8.0)  # and none since: a job's start may stall its beats
+    assert not keeper.decisions
+    keeper.check(joined + FIRST_BEAT_GRACE + 3.5)  # no beat since the grace
     assert [room for room, _ in keeper.decisions] == ["r"]
     await asyncio.sleep(0)  # the decision's task ends
 
