@@ -5,14 +5,36 @@ only a hang reaches."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 
 import aiohttp
 
+from qwen3_tts_engine.dispatch.engine import Engine
+from qwen3_tts_engine.dispatch.handler import Handler
 from qwen3_tts_engine.protocol import SPEECH_STREAM_PATH, SPEECH_STREAM_SUBPROTOCOL
+from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
 HANG_GUARD = 180
+
+
+@contextlib.asynccontextmanager
+async def engine_server(checkpoint: str, max_batch: int, **config) -> AsyncIterator[EngineServer]:
+    """An in-process engine server on 127.0.0.1 (any port): one handler of `max_batch` rows over
+    `checkpoint`, `config` its ServerConfig fields; stopped on exit."""
+    server = EngineServer(Engine(checkpoint, [Handler(checkpoint, max_batch=max_batch)]),
+                          ServerConfig(port=0, **config))  # fmt: skip
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+def client_session(server: EngineServer) -> aiohttp.ClientSession:
+    """An aiohttp session with the server's base URL (use with `async with`)."""
+    return aiohttp.ClientSession(f"http://127.0.0.1:{server.port}")
 
 
 def connect(session: aiohttp.ClientSession, api_key: str | None, **kw):

@@ -15,11 +15,15 @@ import aiohttp
 import httpx
 import pytest
 
-from qwen3_tts_engine.dispatch.engine import Engine
-from qwen3_tts_engine.dispatch.handler import Handler
 from qwen3_tts_engine.protocol import Limits
-from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
-from tests.support.speech_socket import HANG_GUARD, connect, receive, speak
+from tests.support.speech_socket import (
+    HANG_GUARD,
+    client_session,
+    connect,
+    engine_server,
+    receive,
+    speak,
+)
 
 pytestmark = pytest.mark.slow
 API_KEY = "sessions-key"
@@ -32,19 +36,15 @@ LONG_TEXT = "A long reply that goes on and on and on, " * 20
 async def server(tiny_checkpoint):
     checkpoint = str(tiny_checkpoint("custom_voice", eos="text"))
     # two rows: two idle sessions holding a slot each (the old behaviour) would leave none
-    engine = Engine(checkpoint, [Handler(checkpoint, max_batch=2)])
-    config = ServerConfig(port=0, api_key=API_KEY, limits=Limits(max_input_chars=2000),
-                          ws_first_text_timeout_s=HANG_GUARD * 10, ws_idle_timeout_s=HANG_GUARD * 10,
-                          ws_heartbeat_s=0, ws_send_timeout_s=HANG_GUARD * 10)  # fmt: skip
-    srv = EngineServer(engine, config)
-    await srv.start()
-    yield srv
-    await srv.stop()
+    async with engine_server(checkpoint, 2, api_key=API_KEY, limits=Limits(max_input_chars=2000),
+                             ws_first_text_timeout_s=HANG_GUARD * 10, ws_idle_timeout_s=HANG_GUARD * 10,
+                             ws_heartbeat_s=0, ws_send_timeout_s=HANG_GUARD * 10) as srv:  # fmt: skip
+        yield srv
 
 
 @pytest.fixture
 async def session(server):
-    async with aiohttp.ClientSession(f"http://127.0.0.1:{server.port}") as s:
+    async with client_session(server) as s:
         yield s
 
 

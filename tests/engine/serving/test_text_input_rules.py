@@ -22,8 +22,7 @@ import aiohttp
 import httpx
 import pytest
 
-from qwen3_tts_engine.dispatch.engine import Engine
-from qwen3_tts_engine.dispatch.handler import Handler, HandlerError
+from qwen3_tts_engine.dispatch.handler import HandlerError
 from qwen3_tts_engine.dispatch.text_input import TextInput
 from qwen3_tts_engine.protocol import (
     FRAME_SAMPLES,
@@ -32,8 +31,7 @@ from qwen3_tts_engine.protocol import (
     Limits,
     parse_speech_request,
 )
-from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
-from tests.support.speech_socket import until_close
+from tests.support.speech_socket import client_session, engine_server, until_close
 
 pytestmark = pytest.mark.slow
 API_KEY = "text-key-123"
@@ -47,17 +45,15 @@ SHORT = 2  # max_new_tokens of the fuzzed requests: a chunk of audio each
 @pytest.fixture(scope="module")
 async def server(tiny_checkpoint):
     checkpoint = str(tiny_checkpoint("custom_voice", eos="text"))
-    engine = Engine(checkpoint, [Handler(checkpoint, max_batch=4)])
-    config = ServerConfig(port=0, api_key=API_KEY, limits=Limits(max_input_chars=LIMIT))
-    srv = EngineServer(engine, config)
-    await srv.start()
-    yield srv
-    await srv.stop()
+    async with engine_server(
+        checkpoint, 4, api_key=API_KEY, limits=Limits(max_input_chars=LIMIT)
+    ) as srv:
+        yield srv
 
 
 @pytest.fixture
 async def session(server):
-    async with aiohttp.ClientSession(f"http://127.0.0.1:{server.port}") as s:
+    async with client_session(server) as s:
         yield s
 
 
