@@ -92,7 +92,7 @@ def engine_config(args: argparse.Namespace):
         limits=Limits(max_input_chars=args.max_input_chars), max_queue=args.max_queue,
         text_start_tokens=args.text_start_tokens, text_pace=args.text_pace,
         max_sessions=args.max_sessions, ws_first_text_timeout_s=args.ws_first_text_timeout,
-        ws_idle_timeout_s=args.ws_idle_timeout,
+        ws_idle_timeout_s=args.ws_idle_timeout, ws_keepalive_timeout_s=args.ws_keepalive_timeout,
     )  # fmt: skip
     server.voice_aliases.update(args.voice_alias or {})
     governor = GovernorConfig(
@@ -109,6 +109,7 @@ def engine_config(args: argparse.Namespace):
         max_batch=args.max_batch, max_queue=args.max_queue,
         compute_dtype=compute_dtype_option(args.compute_dtype), server=server, governor=governor,
         frame_budget_s=args.frame_budget_ms, step_delay_s=args.fault_step_delay_ms / 1000,
+        stream_memory=args.stream_memory_mb,
     )  # fmt: skip
 
 
@@ -273,6 +274,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+ENGINE_BENCH_VARIANTS = "bf16,8bit,6bit,4bit,talker-mlp-w4"
+
+
+def _memory_bench(args: argparse.Namespace) -> int:
+    """`bench memory`: a full batch's peak on the real-size architecture (bench/memory.py)."""
+    import json
+
+    from qwen3_tts_engine.bench.memory import BATCH_FRAMES, run_batch_memory_bench
+
+    rungs = [v.strip() for v in (args.variants or "bf16").split(",") if v.strip()]
+    report = run_batch_memory_bench(
+        rungs, args.model, streams=args.max_batch, frames=args.frames or BATCH_FRAMES,
+        compute_dtype=compute_dtype_option(args.compute_dtype),
+        progress=lambda m: print(m, file=sys.stderr, flush=True),
+    )  # fmt: skip
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     _need_mlx()
     if args.what == "swap":
@@ -293,12 +316,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         args.frames = args.frames or 32
         return run_concurrency_bench(args)
+    if args.what == "memory":
+        return _memory_bench(args)
     if args.what == "first-chunk":
         from qwen3_tts_engine.bench.first_chunk import run_first_chunk_bench
 
         args.frames = args.frames or 48
         return run_first_chunk_bench(args)
     args.frames = args.frames or 8
+    args.variants = args.variants or ENGINE_BENCH_VARIANTS
     if args.what == "spawn":
         from qwen3_tts_engine.bench.spawn import run_spawn_bench
 
@@ -442,6 +468,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _stream_memory(text: str) -> int | str | None:
+    """--stream-memory-mb: megabytes (10^6) -> bytes; "auto"; "off" -> None."""
+    value = text.strip().lower()
+    if value in ("auto", "off"):
+        return None if value == "off" else "auto"
+    try:
+        mb = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"megabytes, 'auto' or 'off', got {text!r}") from None
+    if mb <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return round(mb * 10**6)
+
+
 def _frame_budget(text: str) -> float | None:
     try:
         return parse_budget_ms(text)
@@ -539,7 +579,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         metavar="S",
-        help="a WebSocket session's first text is due within S seconds of its start, "
+        help="a WebSocket utterance's first text is due within S seconds of its start, "
         "or it ends with a 408 error event (default 30)",
     )
     s.add_argument(
@@ -549,6 +589,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="while a session's text is open, its next message is due within S "
         "seconds, or it ends with a 408 error event (default 60)",
+    )
+    s.add_argument(
+        "--ws-keepalive-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a WebSocket with no utterance in progress (before the first, between two) is "
+        "closed (1000) after S seconds (default 300)",
     )
     s.add_argument(
         "--max-batch",
@@ -567,6 +615,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(a frame plays for 80 ms); fewer streams than --max-batch run where steps are "
         f"slower, the rest queue (docs/fleet.md). 'off': --max-batch streams. Default "
         f"${BUDGET_ENV} or 80",
+    )
+    s.add_argument(
+        "--stream-memory-mb",
+        type=_stream_memory,
+        default="auto",
+        metavar="MB|auto|off",
+        help="admit a stream only while the memory of the streams running and its own (KV "
+        "cache for its frame budget, vocoder state and transients: models/stream_memory.py) "
+        "fits this many MB; the rest queue. auto (default): what the governor's downgrade "
+        "watermark of the memory limit leaves the worker once loaded; off: no memory rule",
     )
     s.add_argument(
         "--fault-step-delay-ms",
@@ -666,12 +724,21 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser(
         "bench",
         help="benchmarks (JSON): engine (default), swap, spawn, formats, "
-        "concurrency, blas or first-chunk",
+        "concurrency, blas, first-chunk or memory",
     )
     b.add_argument(
         "what",
         nargs="?",
-        choices=["engine", "swap", "spawn", "formats", "concurrency", "blas", "first-chunk"],
+        choices=[
+            "engine",
+            "swap",
+            "spawn",
+            "formats",
+            "concurrency",
+            "blas",
+            "first-chunk",
+            "memory",
+        ],
         default="engine",
         help="engine: per-variant latency and memory; swap: governor swap latency, "
         "audio gap and memory in both swap modes; spawn: a worker's start-up cost "
@@ -680,9 +747,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(continuous batching): first audio, real-time factor and frames/s per level; blas: "
         "first audio of `serve` started from a clean environment vs with OpenBLAS "
         "preloaded, and the BLAS each worker runs; first-chunk: first audio and seams "
-        "with a 1-, 2- and 4-frame first chunk, sentence and streamed text",
+        "with a 1-, 2- and 4-frame first chunk, sentence and streamed text; memory: the "
+        "peak RSS and mlx memory of --max-batch streams speaking 4-frame chunks together on "
+        "the real 0.6B architecture (random weights), per stream and at the frame cap",
     )
-    b.add_argument("--variants", default="bf16,8bit,6bit,4bit,talker-mlp-w4")
+    b.add_argument(
+        "--variants",
+        default=None,
+        help=f"engine: default {ENGINE_BENCH_VARIANTS}; memory: default bf16",
+    )
     b.add_argument("--model", help="checkpoint (default: a tiny random one)")
     b.add_argument("--repeats", type=int, default=5)
     b.add_argument(
@@ -690,7 +763,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         help="frames per request (engine: default 8, first audio and one more chunk; "
-        "concurrency: default 32; first-chunk: the cap per sentence, default 48)",
+        "concurrency: default 32; first-chunk: the cap per sentence, default 48; memory: "
+        "per stream, whole 4-frame chunks, default 8)",
     )
     b.add_argument(
         "--streams",
@@ -702,7 +776,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--compute-dtype",
         choices=COMPUTE_CHOICES,
         default="auto",
-        help="concurrency: what the talker computes in (as `serve`; default auto)",
+        help="concurrency, memory: what the talker computes in (as `serve`; default auto)",
     )
     b.add_argument(
         "--real-size",
@@ -741,6 +815,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=40.0,
         help="first-chunk: how fast the simulated LLM writes ~3-character pieces (default 40)",
+    )
+    b.add_argument(
+        "--max-batch",
+        type=_positive_int,
+        default=DEFAULT_MAX_BATCH,
+        help=f"memory: streams speaking together, as `serve --max-batch` (default {DEFAULT_MAX_BATCH})",
     )
     b.add_argument("--out", help="also write the JSON here")
     b.set_defaults(fn=cmd_bench)

@@ -55,9 +55,12 @@ def compute_dtype_option(choice: str) -> str | None:
     return None if choice == "weights" else choice
 
 
-# Streamed text input: one utterance per WebSocket (serving/speech_stream.py has the messages).
+# Streamed text input: utterances one after another on a WebSocket (serving/speech_stream.py
+# has the messages); the hosted Qwen3-TTS realtime protocol at the hosted service's path
+# (serving/qwen_realtime.py), so that its clients change only the base URL.
 SPEECH_STREAM_PATH = "/v1/audio/speech/stream"
 SPEECH_STREAM_SUBPROTOCOL = "qwen3-tts.speech.v1"
+QWEN_REALTIME_PATH = "/api-ws/v1/realtime"
 
 # Response headers the engine sets; the client reads them.
 HEADER_VARIANT = "X-Qwen3-TTS-Variant"
@@ -444,7 +447,22 @@ class LoadReport:
     # predicted seconds of a batch step by streams in it ("1".."max_batch"), from measured steps
     step_s: dict[str, float] = field(default_factory=dict)
     sessions: int = 0  # WebSocket sessions open (each is one of `running` once its text comes)
-    sessions_waiting_for_text: int = 0  # sessions whose text has not begun: no stream, no slot
+    # sessions holding no stream and no slot: their utterance's text has not begun, or they are
+    # between utterances (a warm socket)
+    sessions_waiting_for_text: int = 0
+    # running + waiting: the number vLLM's own `/load` answers as `server_load` (routers read it)
+    server_load: int = 0
+    # The memory governor's reading (None without one): the used fraction of its memory limit,
+    # and where it lies in the policy's band (0 at or below `upgrade_at`, 1 at `critical_at`).
+    memory_pressure: float | None = None
+    memory_load: float = 0.0
+    # Memory in admission (models/stream_memory.py): the bytes the running streams hold at their
+    # largest, the bytes the serving worker's streams may hold (None: no memory rule), and
+    # whether the first queued request waits for memory (its slot is free: it starts when a
+    # stream ends).
+    stream_memory_bytes: int = 0
+    stream_memory_budget_bytes: int | None = None
+    waiting_for_memory: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,5 +1,6 @@
-"""The engine's streaming-text WebSocket from a test's side: connect, read, speak one utterance
-(one copy for the serving and governor tests). Every wait is bounded by HANG_GUARD, a bound
+"""The engine's streaming-text WebSocket from a test's side: connect, read, speak an utterance
+(one copy for the serving and governor tests). The socket stays open after an utterance's
+`response.done` (for the next `session.start`): `until_done` reads one utterance. Every wait is bounded by HANG_GUARD, a bound
 only a hang reaches."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 from collections.abc import AsyncIterator, Iterable
 
 import aiohttp
+import numpy as np
 
 from qwen3_tts_engine.dispatch.engine import Engine
 from qwen3_tts_engine.dispatch.handler import Handler
@@ -61,13 +63,43 @@ async def until_close(ws: aiohttp.ClientWebSocketResponse) -> list:
     return out
 
 
+def assert_same_audio(pcm: bytes, reference: bytes) -> None:
+    """The same utterance's s16le PCM: as long, equal within rounding (the same codes; where the
+    text's pace splits the vocoder's chunks differently, samples differ by rounding only)."""
+    assert len(pcm) == len(reference) > 0, (len(pcm), len(reference))
+    a, b = (np.frombuffer(x, "<i2").astype(np.int32) for x in (pcm, reference))
+    assert np.abs(a - b).max() <= 16
+
+
+async def until_done(ws: aiohttp.ClientWebSocketResponse) -> list:
+    """Every event and chunk of one utterance: up to its `response.done` (the socket stays open),
+    or up to an `error` event (then the server's close is read too), or the close."""
+    out = []
+    while not isinstance(m := await receive(ws), aiohttp.WSMessage):
+        out.append(m)
+        kind = m.get("type") if isinstance(m, dict) else None
+        if kind == "response.done":
+            return out
+        if kind == "error":
+            out += await until_close(ws)
+            return out
+    return out
+
+
+async def utterance(
+    ws: aiohttp.ClientWebSocketResponse, start: dict, pieces: Iterable[str]
+) -> list:
+    """One utterance on an open socket: `start`, each piece appended, the end; its events."""
+    await ws.send_json(start)
+    for piece in pieces:
+        await ws.send_json({"type": "input_text.append", "text": piece})
+    await ws.send_json({"type": "input_text.end"})
+    return await until_done(ws)
+
+
 async def speak(
     session: aiohttp.ClientSession, api_key: str | None, start: dict, pieces: Iterable[str]
 ) -> list:
-    """One utterance: `start`, each piece appended, the end; every event and chunk after."""
+    """One utterance on a socket of its own (closed by the client after it); its events."""
     async with connect(session, api_key) as ws:
-        await ws.send_json(start)
-        for piece in pieces:
-            await ws.send_json({"type": "input_text.append", "text": piece})
-        await ws.send_json({"type": "input_text.end"})
-        return await until_close(ws)
+        return await utterance(ws, start, pieces)

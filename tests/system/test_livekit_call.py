@@ -190,13 +190,16 @@ async def test_call_through_a_livekit_server(livekit_server, tiny_checkpoint, tm
 
     # Traces: the turn's STT, LLM and TTS spans in one trace, and the engine's span as the child
     # of the plugin's request (W3C traceparent). The agent's default text input streams each
-    # segment over the engine's WebSocket (`qwen3_tts.text_stream` -> `qwen3_tts.speech_stream`).
+    # segment over the engine's WebSocket: `qwen3_tts.text_stream` -> the engine's span of that
+    # utterance, `qwen3_tts.utterance` (its socket may have been opened earlier, by prewarm(): the
+    # utterance's start carries its traceparent), under the socket's `qwen3_tts.speech_stream`.
     names = {s.name for s in collector.spans if s.service == "voice-agent"}
     assert {"user_turn", "stt_request", "llm_node", "tts_node", "qwen3_tts.text_stream"} <= names, (
         names
     )
     spans = collector.by_id()
-    engine_spans = collector.named("qwen3_tts.speech_stream")
+    assert collector.named("qwen3_tts.speech_stream")
+    engine_spans = collector.named("qwen3_tts.utterance")
     assert engine_spans and all(s.service == "qwen3-tts-engine" for s in engine_spans)
     linked = [s for s in engine_spans if spans.get(s.parent_span_id) is not None
               and spans[s.parent_span_id].name == "qwen3_tts.text_stream"]  # fmt: skip

@@ -2,9 +2,10 @@
 
 This module assembles it (auth and error middleware, start and stop; `ServerConfig` is
 `server_config.py`). The routes: `speech.py` (`POST /v1/audio/speech`: s16le PCM, one HTTP chunk
-per 4-frame audio chunk, as each is made) and `speech_stream.py` (the WebSocket), both adapters
-over `speech_service.py`; `operator.py` (`/health`, `/ready`, `/load`, `/v1/models`,
-`/v1/engine/*`, `/metrics`: for operators and load balancers).
+per 4-frame audio chunk, as each is made), `speech_stream.py` (the engine's WebSocket) and
+`qwen_realtime.py` (the hosted Qwen3-TTS realtime protocol's), the sockets on `socket_session.py`,
+all adapters over `speech_service.py`; `operator.py` (`/health`, `/ready`, `/load`, `/get_load`,
+`/v1/models`, `/v1/engine/*`, `/metrics`: for operators and load balancers).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from qwen3_tts_engine.dispatch.engine import Engine
 from qwen3_tts_engine.governor.governor import Governor
 from qwen3_tts_engine.log import logger
 from qwen3_tts_engine.protocol import (
+    QWEN_REALTIME_PATH,
     SPEECH_STREAM_PATH,
     RequestError,
 )
@@ -25,7 +27,9 @@ from qwen3_tts_engine.serving.auth import API, OPERATOR, PUBLIC, auth_middleware
 from qwen3_tts_engine.serving.errors import error_response
 from qwen3_tts_engine.serving.metrics import Metrics
 from qwen3_tts_engine.serving.operator import OperatorRoutes
+from qwen3_tts_engine.serving.qwen_realtime import QwenRealtimeRoutes
 from qwen3_tts_engine.serving.server_config import ServerConfig
+from qwen3_tts_engine.serving.socket_session import SocketHub
 from qwen3_tts_engine.serving.speech import SpeechRoutes
 from qwen3_tts_engine.serving.speech_service import SpeechService
 from qwen3_tts_engine.serving.speech_stream import SpeechStreamRoutes
@@ -34,7 +38,9 @@ from qwen3_tts_engine.serving.tracing import configure_from_env
 # Who may call each route (auth.auth_middleware; a route not named needs the API key)
 ROUTE_RULES = {
     "GET /health": PUBLIC, "GET /ready": PUBLIC, "GET /load": PUBLIC, "GET /metrics": PUBLIC,
+    "GET /get_load": PUBLIC,  # vllm-router's shape of /load (operator.py)
     "POST /v1/audio/speech": API, f"GET {SPEECH_STREAM_PATH}": API, "GET /v1/models": API,
+    f"GET {QWEN_REALTIME_PATH}": API,  # the hosted Qwen3-TTS realtime protocol (Bearer key)
     "GET /v1/engine/status": API, "POST /v1/engine/variant": OPERATOR,
     "POST /v1/engine/fault": OPERATOR,
 }  # fmt: skip
@@ -59,11 +65,14 @@ class EngineServer:
         # the routes are adapters over one speech service; the operator's read the engine
         self.speech = SpeechService(engine, self.config, self.metrics)
         self.speech_routes = SpeechRoutes(self.speech)
-        self.stream_routes = SpeechStreamRoutes(self.speech)
+        # both socket protocols share one hub: one session cap, one count for /load
+        self.sockets = SocketHub(self.speech)
+        self.stream_routes = SpeechStreamRoutes(self.sockets)
+        self.realtime_routes = QwenRealtimeRoutes(self.sockets)
         self.operator_routes = OperatorRoutes(engine, self.config, self.metrics, governor,
-                                              sessions=self.stream_routes.session_counts)  # fmt: skip
+                                              sessions=self.sockets.session_counts)  # fmt: skip
         self.app.add_routes([*self.speech_routes.routes(), *self.stream_routes.routes(),
-                             *self.operator_routes.routes()])  # fmt: skip
+                             *self.realtime_routes.routes(), *self.operator_routes.routes()])  # fmt: skip
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 

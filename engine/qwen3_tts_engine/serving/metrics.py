@@ -1,9 +1,10 @@
 """The engine server's Prometheus metrics (one registry per server).
 
-Load is exported twice: under the engine's own names (`qwen3_tts_slots`, ...) and under the
-names vLLM exports and llm-d's endpoint picker reads (`vllm:num_requests_running`,
-`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`), so a router scores this engine as it
-scores a vLLM pod (docs/fleet.md). This engine's KV budget is its batch slots, so its
+Load is exported three times: under the engine's own names (`qwen3_tts_slots`, ...), under the
+names vLLM (and vLLM-Omni) exports and llm-d's endpoint picker reads (`vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`) and under SGLang's (SGLang-Omni's) names
+for the same (`sglang:num_running_reqs`, `sglang:num_queue_reqs`, `sglang:token_usage`), so a
+router scores this engine as it scores a vLLM or SGLang pod (docs/fleet.md). This engine's KV budget is its batch slots, so its
 "KV-cache usage" is batch-slot utilisation: running streams / real-time slots.
 """
 
@@ -29,6 +30,12 @@ class Metrics:
             buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30), registry=r)  # fmt: skip
         self.requests = Counter("qwen3_tts_requests_total", "Speech requests by HTTP status",
                                 ["status"], registry=r)  # fmt: skip
+        # WebSockets (both protocols): a call of several replies is one connection
+        self.socket_connections = Counter("qwen3_tts_socket_connections", "WebSocket connections "
+                                          "accepted", ["protocol"], registry=r)  # fmt: skip
+        self.socket_utterances = Histogram(
+            "qwen3_tts_socket_utterances", "Utterances one WebSocket carried (observed at its "
+            "close)", ["protocol"], buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128), registry=r)  # fmt: skip
         self.capped = Counter("qwen3_tts_utterances_capped_total", "Utterances that ran to their "
                               "frame cap (no end-of-speech)", ["variant"], registry=r)  # fmt: skip
         self.active_variant = Gauge("qwen3_tts_active_variant", "1 for the variant serving by default",
@@ -89,6 +96,15 @@ class Metrics:
                                   "queued for a slot)", m, registry=r)  # fmt: skip
         self.vllm_kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage 0..1 (vLLM's name; "
                                    "here batch-slot utilisation: running / slots)", m, registry=r)  # fmt: skip
+        # SGLang's names for the same three (SGLang-Omni serves them; routers with an sglang
+        # engine type read these)
+        self.sglang_running = Gauge("sglang:num_running_reqs", "Running requests (SGLang's name: "
+                                    "streams in the batch)", m, registry=r)  # fmt: skip
+        self.sglang_waiting = Gauge("sglang:num_queue_reqs", "Requests in the waiting queue "
+                                    "(SGLang's name: queued for a slot)", m, registry=r)  # fmt: skip
+        self.sglang_token_usage = Gauge("sglang:token_usage", "KV token usage 0..1 (SGLang's name; "
+                                        "here batch-slot utilisation: running / slots)", m,
+                                        registry=r)  # fmt: skip
         self._underruns_seen: dict[str, int] = {}
 
     def observe_batching(self, variant: str, in_flight: int, stats: dict) -> None:
@@ -119,8 +135,10 @@ class Metrics:
         if load.underruns > seen:
             self.underruns.labels(model).inc(load.underruns - seen)
         self._underruns_seen[model] = max(seen, load.underruns)
-        self.vllm_running.labels(model).set(load.running)
-        self.vllm_waiting.labels(model).set(load.waiting)
-        self.vllm_kv_usage.labels(model).set(
-            min(1.0, load.running / load.slots) if load.slots else 0.0
-        )
+        usage = min(1.0, load.running / load.slots) if load.slots else 0.0
+        for running, waiting, kv in ((self.vllm_running, self.vllm_waiting, self.vllm_kv_usage),
+                                     (self.sglang_running, self.sglang_waiting,
+                                      self.sglang_token_usage)):  # fmt: skip
+            running.labels(model).set(load.running)
+            waiting.labels(model).set(load.waiting)
+            kv.labels(model).set(usage)

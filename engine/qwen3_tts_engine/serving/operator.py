@@ -10,7 +10,7 @@ from collections.abc import Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from qwen3_tts_engine.dispatch.engine import Engine
+from qwen3_tts_engine.dispatch.engine import Engine, MemoryBand
 from qwen3_tts_engine.governor.governor import Governor, SwapRecord
 from qwen3_tts_engine.models.footprint import breakdown
 from qwen3_tts_engine.protocol import (
@@ -45,6 +45,7 @@ class OperatorRoutes:
             web.get("/health", self.health),
             web.get("/ready", self.ready),
             web.get("/load", self.load),
+            web.get("/get_load", self.get_load),
             web.get("/v1/models", self.models),
             web.get("/v1/engine/status", self.status),
             web.post("/v1/engine/variant", self.set_variant),
@@ -56,22 +57,22 @@ class OperatorRoutes:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
+        """200 while the engine takes new work as it comes (`state` serving in its load report);
+        503 while it loads (before the governor has fixed its ladder too), drains or swaps, in
+        either swap mode: a router sends new streams elsewhere until the new variant serves."""
         h = self.engine.active
-        # Not ready before the governor has fixed its ladder (the quality gate hashes checkpoints).
-        started = self.governor is None or self.governor.started
-        body = ReadyStatus(
-            ready=h.state == "ready" and self.engine.serving and started,
-            variant=h.variant,
-            state=h.state,
-            queue_depth=h.queue_depth,
-            swapping=self.governor is not None and self.governor.swapping is not None,
-        )
+        load = self.load_report()
+        body = ReadyStatus(ready=load.state == "serving", variant=h.variant, state=h.state,
+                           queue_depth=h.queue_depth, swapping=load.state == "swapping")  # fmt: skip
         return web.json_response(body.to_json(), status=200 if body.ready else 503)
 
     def load_report(self) -> LoadReport:
         g = self.governor
+        memory = None
+        if g is not None and g.reading is not None:
+            memory = MemoryBand(g.reading.pressure, g.policy.upgrade_at, g.policy.critical_at)
         report = self.engine.load(swapping=g is not None and g.swapping is not None,
-                                         started=g is None or g.started)  # fmt: skip
+                                  started=g is None or g.started, memory=memory)  # fmt: skip
         report.sessions, report.sessions_waiting_for_text = self.sessions()
         return report
 
@@ -79,6 +80,11 @@ class OperatorRoutes:
         """Running and waiting streams, real-time slots and state: no auth (as /ready), no
         worker round trip (routers and the plugin poll it)."""
         return web.json_response(self.load_report().to_json())
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        """`{"load": N}`, N = streams running + waiting: the shape vllm-router's power_of_two
+        policy reads (vllm-project/router #174); public, as /load."""
+        return web.json_response({"load": self.load_report().server_load})
 
     async def models(self, request: web.Request) -> web.Response:
         info = self.engine.active.info

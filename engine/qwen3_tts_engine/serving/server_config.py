@@ -42,8 +42,11 @@ class ServerConfig:
     ws_first_text_timeout_s: float = 30.0
     ws_idle_timeout_s: float = 60.0
     ws_heartbeat_s: float = 20.0
-    # messages (text, binary, ping, pong) one session may send: a flood of empty appends or
+    # messages (text, binary, ping, pong) one utterance may take: a flood of empty appends or
     # pings ends the session with a 429 `error` event; text itself is bounded by max_input_chars
     ws_max_messages: int = 10_000
+    # a socket with no utterance in progress (before its first, or between two) is closed (1000)
+    # after this long: a warm socket lasts a call, not forever
+    ws_keepalive_timeout_s: float = 300.0
     # voice names a request may use for the model's voices (OpenAI's by default)
     voice_aliases: dict[str, str] = field(default_factory=lambda: dict(OPENAI_VOICE_ALIASES))

@@ -14,7 +14,7 @@ from qwen3_tts_engine.governor.memory import ManualProbe
 from qwen3_tts_engine.governor.policy import Policy
 from qwen3_tts_engine.protocol import SPEECH_STREAM_PATH, SPEECH_STREAM_SUBPROTOCOL
 from tests.engine.governor.test_swap import AUTH, GB, LADDER, start_server, wait_for_swap
-from tests.support.speech_socket import until_close
+from tests.support.speech_socket import until_done
 
 pytestmark = pytest.mark.slow
 HANG_GUARD = 120
@@ -63,7 +63,7 @@ async def test_a_swap_waits_for_an_open_text_stream(tiny_checkpoint):
             assert old.in_flight == 1 and old.state == "draining"  # not cut: still speaking
             await ws.send_json({"type": "input_text.append", "text": "how are you today?"})
             await ws.send_json({"type": "input_text.end"})
-            heard += await until_close(ws)
+            heard += await until_done(ws)
             await ws.close()
             response = await asyncio.wait_for(swap, HANG_GUARD)
             assert response.status == 200, await response.text()
@@ -73,7 +73,7 @@ async def test_a_swap_waits_for_an_open_text_stream(tiny_checkpoint):
             ) as after:
                 await after.send_json({**START, "input": "And now?"})
                 await after.send_json({"type": "input_text.end"})
-                later = await until_close(after)
+                later = await until_done(after)
         assert heard[0]["type"] == "session.created" and heard[0]["variant"] == "bf16"
         assert heard[-1]["type"] == "response.done" and heard[-1]["frames"] > 0
         assert not [e for e in heard if isinstance(e, dict) and e["type"] == "error"]
@@ -107,8 +107,8 @@ async def test_text_sent_during_a_swap_gap_is_spoken_whole_by_the_new_variant(
                 await held.send_json({"type": "input_text.append", "text": piece})
             await held.send_json({"type": "input_text.end"})
             await first.send_json({"type": "input_text.end"})  # the old handler can drain now
-            old_events = await until_close(first)
-            events = await until_close(held)
+            old_events = await until_done(first)
+            events = await until_done(held)
             await first.close()
             await held.close()
             assert (await asyncio.wait_for(swap, HANG_GUARD)).status == 200

@@ -126,6 +126,8 @@ async def _socket_done(srv, pieces: list[str], **start) -> dict:
             if m.type == aiohttp.WSMsgType.TEXT:
                 last = json.loads(m.data)
                 assert last["type"] != "error", last
+                if last["type"] == "response.done":
+                    break  # the socket stays open for another utterance
     assert last is not None and last["type"] == "response.done"
     return last
 

@@ -25,7 +25,7 @@ from qwen3_tts_engine.protocol import (
     RequestError,
     parse_speech_request,
 )
-from tests.support.speech_socket import until_close
+from tests.support.speech_socket import until_done
 
 TEXT = "Hello there, how are you?"
 FRAMES = 4  # in two chunks of 2 frames: a stream of more than one chunk
@@ -206,7 +206,7 @@ async def _session(url: str, start: dict, pieces: list[str]) -> list:
             await ws.send_json({"type": "input_text.append", "text": piece})
         if pieces:
             await ws.send_json({"type": "input_text.end"})
-        return await until_close(ws)
+        return await until_done(ws)
 
 
 @pytest.mark.slow

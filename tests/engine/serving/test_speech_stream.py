@@ -28,7 +28,7 @@ from qwen3_tts_engine.protocol import (
 )
 from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 from qwen3_tts_engine.worker.incremental_text import text_token_ids
-from tests.support.speech_socket import until_close
+from tests.support.speech_socket import until_close, until_done
 
 pytestmark = pytest.mark.slow
 API_KEY = "ws-key-123"
@@ -122,7 +122,8 @@ async def test_appended_pieces_are_spoken_as_the_whole_text(server, session, che
         for piece in pieces if isinstance(pieces, list) else _pieces(TEXT, pieces):
             await ws.send_json({"type": "input_text.append", "text": piece})
         await ws.send_json({"type": "input_text.end"})
-        events = await until_close(ws)
+        events = await until_done(ws)
+        await ws.close()  # the socket stayed open for another utterance: the client closes it
         assert ws.close_code == 1000
     kinds = [e["type"] if isinstance(e, dict) else "audio" for e in events]
     assert kinds[0] == "session.created" and events[0]["sample_rate"] == 24000 and events[0]["id"]
@@ -161,7 +162,7 @@ async def test_two_streams_batched_each_speak_their_whole_text(server, session):
         for ws in sockets.values():
             await ws.send_json({"type": "input_text.end"})
         for size, ws in sockets.items():
-            heard[size] += await until_close(ws)
+            heard[size] += await until_done(ws)
     finished = list(handler.history)[-2:]
     assert all(h["peak_batch"] >= 2 for h in finished), finished
     for size, text in texts.items():
@@ -293,7 +294,7 @@ async def test_sessions_are_counted_as_post_requests_are(server, session):
     async with _connect(session) as ws:
         await ws.send_json({**START, "input": TEXT})
         await ws.send_json({"type": "input_text.end"})
-        assert (await until_close(ws))[-1]["type"] == "response.done"
+        assert (await until_done(ws))[-1]["type"] == "response.done"
     await _error_of(session, b"binary")
     after = {}
 
@@ -322,7 +323,7 @@ async def test_response_cancel_ends_with_a_cancelled_done(server, session):
         while not isinstance((await asyncio.wait_for(ws.receive(), HANG_GUARD)).data, bytes):
             pass
         await ws.send_json({"type": "response.cancel"})
-        events = await until_close(ws)
+        events = await until_done(ws)
     done = [e for e in events if isinstance(e, dict) and e["type"] == "response.done"]
     assert done and done[-1]["cancelled"] is True
     await _wait(lambda: handler.in_flight == 0)
@@ -348,7 +349,7 @@ async def test_a_stream_waiting_for_text_holds_no_one_back(server, session):
         await _wait(lambda: handler.batching.get("text_waits", 0) > waits)
         await ws.send_json({"type": "input_text.append", "text": "me, please."})
         await ws.send_json({"type": "input_text.end"})
-        events = await until_close(ws)
+        events = await until_done(ws)
     assert events[-1]["type"] == "response.done" and events[-1]["frames"] > 0
     # its playback restarts after the wait: the LLM's pause is not the engine's underrun
     stats = handler.last_stats
@@ -372,7 +373,7 @@ async def test_a_burst_of_a_thousand_appends_is_spoken(server, session):
         for ch in text:
             await ws.send_json({"type": "input_text.append", "text": ch})
         await ws.send_json({"type": "input_text.end"})
-        events = await until_close(ws)
+        events = await until_done(ws)
     assert not [e for e in events if isinstance(e, dict) and e["type"] == "error"]
     acks = [e for e in events if isinstance(e, dict) and e["type"] == "input_text.ack"]
     tokens = [a["tokens"] for a in acks]
@@ -432,7 +433,7 @@ async def test_a_client_that_never_reads_is_dropped_and_holds_no_one_back(server
         await ws.send_json(START)
         await ws.send_json({"type": "input_text.append", "text": TEXT})
         await ws.send_json({"type": "input_text.end"})
-        events = await until_close(ws)
+        events = await until_done(ws)
     assert events[-1]["type"] == "response.done" and events[-1]["frames"] > 0
     await _wait(lambda: handler.in_flight == 0 and len(handler.history) >= finished + 2)
     dropped = [h for h in list(handler.history)[finished:] if h["cancelled"]]
