@@ -50,13 +50,11 @@ EXPECTED = [
 
 MB = 10**6
 # Streams in flight that a make-before-break swap must leave room for: `--max-batch` streams,
-# each this many seconds (12.5 frames a second) into its utterance; the agent sends one sentence
-# per request. Their KV caches grow per frame and stream by (bench/memory.py `kv_per_frame`,
-# 0.1802 MB with bf16 weights) the talker's 28 layers x K,V x 8 heads x 128 values, in its
-# compute dtype, plus the vocoder's 8 layers x K,V x 16 heads x 64 float32 values.
+# each this many seconds (12.5 frames a second) into its utterance, by what a stream holds
+# (models/stream_memory.py: the talker's cache rows, code predictor, vocoder window and chunk
+# transient; `memory_plan.real_stream_layout`). The limit itself holds `--max-batch` streams at
+# the frame cap (`memory_plan.EngineMemory.limit_for_streams`).
 IN_FLIGHT_SECONDS = 10
-KV_BYTES_PER_FRAME = {None: 28 * 2 * 8 * 128 * 2 + 8 * 2 * 16 * 64 * 4,
-                      "float32": 28 * 2 * 8 * 128 * 4 + 8 * 2 * 16 * 64 * 4}  # fmt: skip
 
 # Variables the deployment may set that are not voice-agent settings.
 OTHER_ENV = {
@@ -156,15 +154,21 @@ def engine_memory(args):
 def check_engine_memory(limit: int, args, request: int | None = None) -> None:
     """The memory limit the governor reads (and the request, where there is one) fits the
     ladder, by the footprint model and the governor's own decisions (governor/policy.py):
-    - requests cover the top rung while it speaks (with the server and the spare);
+    - requests cover the top rung while it speaks (with the server and the spare), and while a
+      full batch (`--max-batch` streams) speaks as `qwen3-tts bench memory` measured it;
+    - `--max-batch` streams at the frame cap fit under the downgrade watermark with
+      `memory_plan.HEADROOM_BYTES` to spare (admission's budget holds them: no wait, no swap);
     - the top rung loads below the critical watermark and speaks below the downgrade one;
     - every one-rung swap down is make-before-break while the old rung speaks, with room left
       for IN_FLIGHT_SECONDS of KV cache in each of `--max-batch` streams;
     - after a swap down, the idle engine climbs back (below the upgrade watermark, and the
       larger rung fits);
     - the smallest rung is not under pressure itself."""
+    from qwen3_tts_engine.config import worker_budget
     from qwen3_tts_engine.governor.memory import MemoryReading
     from qwen3_tts_engine.governor.policy import MAKE_BEFORE_BREAK, PolicyState, choose_mode, decide
+    from qwen3_tts_engine.models.memory_plan import BATCH, real_stream_layout
+    from qwen3_tts_engine.protocol import Limits
 
     policy = policy_for(args)
     ladder = list(policy.ladder)
@@ -179,10 +183,25 @@ def check_engine_memory(limit: int, args, request: int | None = None) -> None:
         return MemoryReading("manual", limit, used)
 
     need = {r.variant: r.mb for r in em.rungs}
+    layout = real_stream_layout(ladder[0], compute_dtype(args))
+    batch = BATCH.speaking * args.max_batch // BATCH.streams  # the measured batch, per stream
     if request is not None:
         assert request >= em.request(), (
             f"requests {request / MB:.0f} MB < {em.request() / MB:.0f} MB: {need}"
         )
+        assert request >= em.settled(0) + batch, (
+            f"requests {request / MB:.0f} MB < {(em.settled(0) + batch) / MB:.0f} MB: a full "
+            "batch speaking (bench memory)"
+        )
+    at_cap = layout.batch_bytes([Limits.max_new_tokens] * args.max_batch)
+    enough = em.limit_for_streams(0, at_cap, policy.downgrade_at)
+    assert limit >= enough, (
+        f"{args.max_batch} streams at the {Limits.max_new_tokens}-frame cap ({at_cap / MB:.0f} MB) "
+        f"need a limit of {enough / 2**20:.0f} MiB ({need})"
+    )
+    # admission's own budget (`serve --stream-memory-mb auto`) lets them all start
+    streams_budget = worker_budget(limit, policy, args.spare_worker) - (em.settled(0) - em.others())
+    assert streams_budget >= at_cap, f"admission would hold streams: {streams_budget / MB:.0f} MB"
     assert em.starting(0) < policy.critical_at * limit, f"the top rung's load is critical: {need}"
     assert em.serving(0) < policy.downgrade_at * limit, (
         f"the top rung would downgrade at once: {need}"
@@ -190,9 +209,7 @@ def check_engine_memory(limit: int, args, request: int | None = None) -> None:
     assert em.serving(len(ladder) - 1) < policy.downgrade_at * limit, (
         "even the smallest rung is under pressure"
     )
-    in_flight = (
-        args.max_batch * IN_FLIGHT_SECONDS * 25 // 2 * KV_BYTES_PER_FRAME[compute_dtype(args)]
-    )
+    in_flight = layout.batch_bytes([IN_FLIGHT_SECONDS * 25 // 2] * args.max_batch)
     for i, (big, small) in enumerate(zip(ladder, ladder[1:], strict=False)):
         swap = em.swap_bytes(i)
         enough = f"a limit of {(swap + in_flight) / policy.make_before_break_below / 2**20:.0f} MiB ({need})"
@@ -746,10 +763,28 @@ def test_k8s_engines_behind_a_headless_service_and_an_optional_inference_pool():
     assert pool["spec"]["selector"]["matchLabels"].items() <= pods.items()
     assert [p["number"] for p in pool["spec"]["targetPorts"]] == [port]
     assert pool["spec"]["endpointPickerRef"]["name"]
-    (rule,) = route["spec"]["rules"]
-    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
-                                    "name": pool["metadata"]["name"]}]  # fmt: skip
-    assert rule["matches"][0]["path"]["value"] == "/v1/audio/speech"
+    speech, reads = route["spec"]["rules"]
+    assert speech["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                      "name": pool["metadata"]["name"]}]  # fmt: skip
+    assert speech["matches"] == [{"path": {"type": "PathPrefix", "value": "/v1/audio/speech"}}]
+    # the plugin's other reads go to the engines' Service: behind the route, status answers and
+    # `text_input="auto"` finds the socket (a 404 there would silently mean sentences)
+    assert reads["backendRefs"] == [{"kind": "Service", "name": "tts-engine", "port": port}]
+
+    def routed(path: str) -> dict | None:
+        for rule in route["spec"]["rules"]:
+            for m in rule["matches"]:
+                kind, value = m["path"]["type"], m["path"]["value"]
+                if path == value or (kind == "PathPrefix" and path.startswith(value + "/")):
+                    return rule
+        return None
+
+    from livekit.plugins.qwen3_tts import fleet, protocol
+
+    for path in ("/v1/audio/speech", protocol.SPEECH_STREAM_PATH):
+        assert routed(path) is speech, path
+    for path in ("/ready", fleet.LOAD_PATH, "/get_load", protocol.STATUS_PATH):
+        assert routed(path) is reads, path
     config = yaml.safe_load(next(iter(epp["data"].values())))
     assert config["kind"] == "EndpointPickerConfig"
     (k,) = load_yaml("k8s/kustomization.yaml")

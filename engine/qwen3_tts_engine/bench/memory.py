@@ -3,6 +3,8 @@
 Random weights at the real sizes (talker, speech tokenizer); each rung is quantized into the
 cache in a child process, then loaded by a fresh engine worker: memory after load
 and after one synthesis. `qwen3-tts bench --real-size-memory` or `python -m` this module (JSON).
+`qwen3-tts bench memory` (`run_batch_memory_bench`): the peak of a full batch, `--max-batch`
+streams speaking 4-frame chunks together, per stream and extrapolated to the frame cap.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import asyncio
 import dataclasses
 import json
 import multiprocessing as mp
+import os
+import queue as queue_module
 import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
+import psutil
 from mlx.utils import tree_flatten
 from mlx_audio.tts.models.qwen3_tts import Model, ModelConfig
 from mlx_audio.tts.models.qwen3_tts.config import (
@@ -30,11 +35,15 @@ from mlx_audio.tts.models.qwen3_tts.speech_tokenizer import (
 )
 
 from qwen3_tts_engine.dispatch.handler import Handler, Result
+from qwen3_tts_engine.fast_blas import environment_for_child
 from qwen3_tts_engine.models.checkpoints import cache_root
+from qwen3_tts_engine.models.stream_memory import kv_positions
 from qwen3_tts_engine.models.variants import resolve
-from qwen3_tts_engine.protocol import SpeechRequest
+from qwen3_tts_engine.protocol import CHUNK_FRAMES, DEFAULT_MAX_BATCH, Limits, SpeechRequest
 from qwen3_tts_engine.tiny_checkpoints import builder as tiny
-from qwen3_tts_engine.worker.loading import prepare
+from qwen3_tts_engine.worker.loading import load, prepare, release_freed_memory
+from qwen3_tts_engine.worker.measure import model_bytes, stream_layout
+from qwen3_tts_engine.worker.scheduler import Scheduler
 
 DEFAULT_RUNGS = ("bf16", "8bit", "4bit", "4bit-emb8", "4bit-emb4", "4bit-emb4-voc16")
 TEXT = "Memory, measured after one sentence."
@@ -245,6 +254,176 @@ def run_memory_bench(rungs=DEFAULT_RUNGS, model: str | None = None, progress=pri
             if all(v["mb"][key] for v in out["rungs"].values())
         }  # fmt: skip
     return out
+
+
+BATCH_FRAMES = 8  # per stream in `bench memory`: two 4-frame chunks (CPU: ~13 s of vocoder each)
+BATCH_TEXTS = [
+    "Every caller in the batch speaks at once.",
+    "Four frames at a time, for each of them.",
+    "The cache grows by one position a frame.",
+    "Memory is counted before a stream starts.",
+    "A full batch holds the most it ever will.",
+    "Nobody waits unless the memory runs out.",
+    "The vocoder decodes every stream's chunk.",
+    "The peak is read from the kernel and mlx.",
+]
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def measure_batch(model: str, rung: str = "bf16", streams: int = DEFAULT_MAX_BATCH,
+                  frames: int = BATCH_FRAMES, compute_dtype: str | None = None,
+                  progress=print) -> dict:  # fmt: skip
+    """`streams` streams of `frames` frames each (4-frame chunks) through one scheduler, as a
+    worker with `--max-batch streams` runs them (its loader, its `Scheduler`), in this process:
+    the peak RSS (the kernel's high-water mark, reset after load) and mlx's peak (its allocator's
+    largest active bytes, `mx.get_peak_memory`; on the CPU backend the same counter Metal
+    keeps), over the memory after load, per stream; the talker's KV cache after every step. Each
+    stream's memory at the frame cap is extrapolated from the measured peak with the measured
+    bytes per cache position (the cache's own arrays), not run: a 4096-frame batch at real size
+    takes hours on a CPU."""
+    pid = os.getpid()
+    m, details = load(resolve(model, rung), progress=False, compute_dtype=compute_dtype)
+    release_freed_memory()
+    rss_load, mlx_load = _rss(), mx.get_active_memory()
+    layout = stream_layout(m)
+    weights = model_bytes(m)
+    speakers = sorted(m.config.talker_config.spk_id or {})
+    voice = speakers[0] if speakers else None
+    scheduler = Scheduler(m, max_batch=streams)
+    mx.reset_peak_memory()
+    reset = _reset_hwm(pid)
+    for k in range(streams):
+        scheduler.add(str(k), SpeechRequest(input=BATCH_TEXTS[k % len(BATCH_TEXTS)], voice=voice,
+                                            language="english", seed=k, max_new_tokens=frames))  # fmt: skip
+    made: dict[str, int] = {}
+    chunks = ended = 0
+    steps = []
+    rss_peak_sampled = 0
+    t0 = time.perf_counter()
+    while ended < streams:
+        ts = time.perf_counter()
+        rows_before = len(scheduler.rows)
+        events = scheduler.step()
+        for ev in events:
+            if ev.kind == "error":
+                raise ev.error
+            if ev.kind == "chunk":
+                chunks += 1
+                made[ev.stream.id] = made.get(ev.stream.id, 0) + ev.chunk.frames
+            else:
+                ended += 1
+        cache = scheduler.cache
+        rows = len(scheduler.rows)
+        allocated = cache[0].keys.shape[2] if cache and cache[0].keys is not None else 0
+        rss = _rss()
+        rss_peak_sampled = max(rss_peak_sampled, rss)
+        steps.append({"step": len(steps) + 1, "rows": max(rows, rows_before), "cache_rows": rows,
+                      "cache_positions": allocated, "kv_bytes": scheduler.kv_bytes(),
+                      "vocoder_state_bytes": sum(s.vocoder.state_bytes() for s in scheduler.streams.values()
+                                                 if s.vocoder is not None),
+                      "chunks": sum(ev.kind == "chunk" for ev in events),
+                      "mlx_active_mb": _mb(mx.get_active_memory()), "rss_mb": _mb(rss),
+                      "seconds": round(time.perf_counter() - ts, 3)})  # fmt: skip
+        progress(f"  step {len(steps)}: {steps[-1]['rows']} streams, {chunks} chunks so far, "
+                 f"rss {_mb(rss)} MB, {steps[-1]['seconds']:.1f} s")  # fmt: skip
+    wall = time.perf_counter() - t0
+    rss_peak = _hwm(pid) if reset else None
+    rss_peak = max(rss_peak or 0, rss_peak_sampled)
+    mlx_peak = mx.get_peak_memory()
+    # bytes per cache position per row, from the cache's arrays (the per-frame slope)
+    per_position = max((s["kv_bytes"] // (s["cache_rows"] * s["cache_positions"])
+                        for s in steps if s["cache_rows"] and s["cache_positions"]), default=0)  # fmt: skip
+    longest = max(made.values(), default=0)
+    speaking = rss_peak - rss_load
+    # the measured peak, each stream's cache row grown from what this run allocated to the cap's
+    cap = Limits.max_new_tokens
+    growth = (kv_positions(cap) - kv_positions(longest)) * per_position
+    kv_parts = layout.batch_bytes([longest] * streams)  # talker rows, predictor, vocoder window
+    weight_bytes = sum(weights.values())
+    return {
+        "rung": rung, "compute_dtype": details.get("compute_dtype"), "streams": streams,
+        "frames_per_stream": frames, "frames_made": made, "chunks": chunks,
+        "wall_s": round(wall, 1), "steps": steps,
+        "layout_bytes": layout.as_dict(),
+        "kv_bytes_per_position_measured": per_position,
+        "mb": {
+            "weights": _mb(weight_bytes), **{k.removesuffix("_bytes"): _mb(v) for k, v in weights.items()},
+            "rss_after_load": _mb(rss_load), "rss_peak": _mb(rss_peak),
+            "rss_peak_over_weights": round(rss_peak / weight_bytes, 3),
+            "speaking": _mb(speaking), "speaking_per_stream": _mb(speaking / streams),
+            "mlx_after_load": _mb(mlx_load), "mlx_peak": _mb(mlx_peak),
+            "mlx_speaking": _mb(mlx_peak - mlx_load),
+            "mlx_speaking_per_stream": _mb((mlx_peak - mlx_load) / streams),
+            "kv_parts_per_stream": _mb(kv_parts / streams),
+            # what the peak holds per stream besides the KV parts: the vocoder's chunk transients,
+            # activations, allocator slack (RSS)
+            "transient_per_stream": _mb((speaking - kv_parts) / streams),
+        },
+        "at_cap": {
+            "frames": cap, "cache_positions": kv_positions(cap),
+            "extrapolated": "measured peak + (cache positions at the cap - this run's) x the "
+                            "measured bytes per position, per stream",
+            "speaking_per_stream_mb": _mb(speaking / streams + growth),
+            "speaking_mb": _mb(speaking + streams * growth),
+            "rss_peak_mb": _mb(rss_peak + streams * growth),
+        },
+    }  # fmt: skip
+
+
+def run_batch_memory_bench(rungs=("bf16",), model: str | None = None, streams: int = DEFAULT_MAX_BATCH,
+                           frames: int = BATCH_FRAMES, compute_dtype: str | None = None,
+                           progress=print) -> dict:  # fmt: skip
+    """`measure_batch` per rung, each in a fresh process (the real-size checkpoint by default,
+    written once)."""
+    if frames % CHUNK_FRAMES:
+        raise ValueError(f"--frames must be a multiple of {CHUNK_FRAMES} (whole chunks)")
+    if model is None:
+        path = real_size_dir()
+        if not (path / "speech_tokenizer" / "config.json").is_file():
+            progress(f"writing the real-size checkpoint to {path} ...")
+            _child(write_real_size_checkpoint, path)
+        model = str(path)
+    out: dict = {"model": model, "streams": streams, "frames_per_stream": frames, "rungs": {}}
+    for rung in rungs:
+        progress(f"  {rung}: quantizing into the cache (child process)")
+        _child(_prepare, model, rung)
+        progress(f"  {rung}: {streams} streams x {frames} frames in a fresh process")
+        out["rungs"][rung] = _in_child(model, rung, streams, frames, compute_dtype)
+        progress(f"  {rung}: {out['rungs'][rung]['mb']}")
+    return out
+
+
+def _batch_target(queue, *args) -> None:
+    queue.put(measure_batch(*args, progress=lambda m: print(m, file=sys.stderr, flush=True)))
+
+
+def _in_child(*args):
+    """`measure_batch(*args)` in a spawned process (OpenBLAS preloaded: this module imports mlx
+    before a spawned child could load it, `fast_blas.py`); its result."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_batch_target, args=(queue, *args))
+    saved = os.environ.get("LD_PRELOAD")
+    os.environ["LD_PRELOAD"] = environment_for_child().get("LD_PRELOAD", "")
+    try:
+        p.start()
+    finally:
+        if saved is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = saved
+    while True:  # its result, or its failure (a child that died puts nothing)
+        try:
+            result = queue.get(timeout=5)
+            break
+        except queue_module.Empty:
+            if not p.is_alive():
+                raise RuntimeError(f"measure_batch{args} failed (exit code {p.exitcode})") from None
+    p.join()
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

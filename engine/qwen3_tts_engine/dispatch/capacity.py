@@ -5,7 +5,10 @@ a step takes at most the frame budget (80 ms: the time a frame plays for). The w
 every step and reports (streams in the step, seconds) over the pipe (`messages.StepTimes`);
 `StepModel` keeps the recent steps per batch size and predicts a step's time for any size, and
 `slots` is the most streams whose predicted step stays within the budget (at least 1, at most
-`max_batch`). `Admission` starts queued requests in order while fewer than that many run.
+`max_batch`). `Admission` starts queued requests in order while fewer than that many run, and,
+beside that rule, while the memory of the streams running and the next one fits the worker's
+memory budget (`fits`: the handler's, `models/stream_memory.py` counts the bytes), so that a
+batch does not grow into the governor's watermark and make it swap.
 
 The model learns both ways:
 - Samples age. Each size keeps its last `WINDOW` steps, and a sample older than `MAX_AGE_S`
@@ -173,8 +176,11 @@ class StepModel:
 
 
 class Admission:
-    """FIFO admission: a request starts while fewer than `limit()` requests run; the others wait
-    in arrival order. `wake()` re-checks after the limit changed (a step report).
+    """FIFO admission: a request starts while fewer than `limit()` requests run and, where there
+    is a memory rule, `fits(costs)` holds for the costs of the requests running and its own (a
+    request's cost: its frame budget); the others wait in arrival order. `wake()` re-checks after
+    the limit changed (a step report). A request starts when none runs whatever its cost (alone
+    over the budget it would wait forever; the governor is the backstop).
 
     The probe: `wake(probe=True)` (the handler's step reports) admits one request over the limit
     when requests have waited `probe_every_s` without a break, no probe came in the last
@@ -183,43 +189,70 @@ class Admission:
 
     def __init__(self, limit: Callable[[], int], *, most: int | None = None,
                  probe_every_s: float | None = PROBE_EVERY_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic,
+                 fits: Callable[[list[int]], bool] | None = None) -> None:  # fmt: skip
         self.limit = limit
         self.most = most  # None: no probes
         self.probe_every_s = probe_every_s  # None: no probes
         self.clock = clock
+        self.fits = fits  # None: no memory rule
         self.running = 0
+        self.held: list[int] = []  # the costs of the requests running
         self.probes = 0  # requests admitted over the limit so far
-        self._waiters: deque[asyncio.Future] = deque()
+        self._waiters: deque[tuple[asyncio.Future, int]] = deque()
         self._waiting_since: float | None = None  # the queue has not been empty since
         self._probed_at: float | None = None
 
-    async def acquire(self) -> None:
-        if not self._waiters and self.running < self.limit():
+    async def acquire(self, cost: int = 0) -> None:
+        if not self._waiters and self.running < self.limit() and self._memory_allows(cost):
             self.running += 1
+            self.held.append(cost)
             return
         fut = asyncio.get_running_loop().create_future()
         if not self._waiters:
             self._waiting_since = self.clock()
-        self._waiters.append(fut)
+        entry = (fut, cost)
+        self._waiters.append(entry)
         try:
             await fut
         except BaseException:
             if fut.done() and not fut.cancelled():
-                self.release()  # granted while it was being cancelled: pass it on
-            elif fut in self._waiters:
-                self._waiters.remove(fut)
+                self.release(cost)  # granted while it was being cancelled: pass it on
+            elif entry in self._waiters:
+                self._waiters.remove(entry)
+                self.wake()  # the next one may fit where this one did not
             raise
 
-    def release(self) -> None:
+    def release(self, cost: int = 0) -> None:
         self.running -= 1
+        self.held.remove(cost)
         self.wake()
+
+    @property
+    def held_by_memory(self) -> bool:
+        """The first waiter has a slot but not the memory: it starts when a stream ends."""
+        if not self._waiters or self.running >= self.limit():
+            return False
+        return not self._memory_allows(self._head_cost())
+
+    def _memory_allows(self, cost: int) -> bool:
+        return self.fits is None or self.running == 0 or self.fits([*self.held, cost])
+
+    def _head_fits(self) -> bool:
+        """A request waits and the first one's memory fits."""
+        cost = self._head_cost()
+        return bool(self._waiters) and self._memory_allows(cost)
+
+    def _head_cost(self) -> int:
+        while self._waiters and self._waiters[0][0].done():
+            self._waiters.popleft()  # left (cancelled) before its turn
+        return self._waiters[0][1] if self._waiters else 0
 
     def wake(self, probe: bool = False) -> None:
         limit = self.limit()
-        while self._waiters and self.running < limit:
+        while self.running < limit and self._head_fits():
             self._grant()
-        if probe and self._waiters and self.running == limit and self._may_probe(limit):
+        if probe and self.running == limit and self._may_probe(limit) and self._head_fits():
             while self._waiters:
                 if self._grant():
                     self._probed_at = self.clock()
@@ -235,9 +268,10 @@ class Admission:
 
     def _grant(self) -> bool:
         """Start the first waiter (False: it had left)."""
-        fut = self._waiters.popleft()
+        fut, cost = self._waiters.popleft()
         if fut.done():
             return False
         self.running += 1
+        self.held.append(cost)
         fut.set_result(None)
         return True

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from qwen3_tts_engine.dispatch.handler import (
     AudioChunk,
@@ -20,6 +21,31 @@ from qwen3_tts_engine.log import logger
 from qwen3_tts_engine.models.recipes import RECIPES
 from qwen3_tts_engine.protocol import ENGINE_FULL, LoadReport, RequestError, SpeechRequest
 from qwen3_tts_engine.rules import ModelInfo, check_request
+
+
+@dataclass(frozen=True)
+class MemoryBand:
+    """The memory governor's reading (the used fraction of its limit) and its policy's band."""
+
+    pressure: float
+    upgrade_at: float  # at or below: memory is comfortable
+    critical_at: float  # at or above: no headroom (the governor steps down at once)
+
+    def load(self) -> float:
+        """0 at or below `upgrade_at`, 1 at `critical_at`, linear between (capped to 0..1)."""
+        span = max(1e-6, self.critical_at - self.upgrade_at)
+        return min(1.0, max(0.0, (self.pressure - self.upgrade_at) / span))
+
+
+def free_slots(state: str, slots: int, streams: int, memory_load: float) -> int:
+    """The engine's one definition of free (docs/fleet.md; the plugin's `fleet.free_slots` is
+    the client's, tests/plugins/qwen3_tts/test_wire_contract.py keeps them equal): the slots
+    neither running nor promised to a waiting request (`streams`: running + waiting), and none
+    unless the engine serves (not loading, swapping or draining) with memory below the
+    governor's critical mark. Full: 0."""
+    if state != "serving" or memory_load >= 1.0:
+        return 0
+    return max(0, slots - streams)
 
 
 class Engine:
@@ -156,10 +182,16 @@ class Engine:
                 logger.debug("request moved off draining handler %s", handler.name)
         raise HandlerError("no handler would take the request (swaps kept replacing them)")
 
-    def load(self, *, swapping: bool = False, started: bool = True) -> LoadReport:
-        """What this engine takes now (`GET /load`): streams running and waiting over every
-        handler, the serving handler's real-time slots, and its state. `swapping`: the governor is
-        between variants; `started`: the governor has fixed its ladder."""
+    def load(
+        self, *, swapping: bool = False, started: bool = True, memory: MemoryBand | None = None
+    ) -> LoadReport:
+        """What this engine takes now (`GET /load`, and `/ready`: ready while `state` is
+        serving): streams running and waiting over every handler, the serving handler's real-time
+        slots, its state and the governor's memory. `swapping`: the governor is between variants
+        (either mode: a router sends new work elsewhere meanwhile); `started`: the governor has
+        fixed its ladder; `memory`: its reading and band.
+
+        Free and full: `free_slots` below."""
         handlers = self.all_handlers()
         running = sum(h.in_flight for h in handlers)
         waiting = sum(h.waiting for h in handlers) + self.gap_waiting
@@ -174,13 +206,20 @@ class Engine:
             state = "serving"
         slots = active.slots
         budget = active.frame_budget_s
+        mem_load = memory.load() if memory is not None else 0.0
         return LoadReport(
             running=running, waiting=waiting, max_batch=active.max_batch, slots=slots,
-            free_slots=max(0, slots - running - waiting) if state == "serving" else 0,
+            free_slots=free_slots(state, slots, running + waiting, mem_load),
             accepting=state in ("serving", "swapping"), state=state,
             underruns=self.retired_underruns + sum(h.underruns for h in handlers),
             frame_budget_ms=None if budget is None else round(budget * 1000, 3),
             step_s={str(n): round(p, 5) for n, p in active.steps.curve(active.max_batch).items()},
+            server_load=running + waiting,
+            memory_pressure=None if memory is None else round(memory.pressure, 4),
+            memory_load=round(mem_load, 4),
+            stream_memory_bytes=sum(h.stream_memory for h in handlers),
+            stream_memory_budget_bytes=active.memory_budget,
+            waiting_for_memory=any(h.waiting_for_memory for h in handlers),
         )  # fmt: skip
 
     # -- swap primitives (the governor's) ---------------------------------------------------

@@ -3,8 +3,9 @@
 The server's side of a worker process (`worker/main.py` is the other side; `messages.py` the
 pipe between them). It is started (load + warm-up), serves up to `max_batch` syntheses at once
 (its worker batches them: `worker/scheduler.py`), or fewer: only as many as its worker's
-measured steps keep in real time (`capacity.py`), with a bounded FIFO queue for the rest whose
-wait is measured; it can be drained and stopped, and restarts its worker when that dies. The governor swaps
+measured steps keep in real time (`capacity.py`) and whose memory fits its memory budget
+(`memory_budget`, counted by `models/stream_memory.py`), with a bounded FIFO queue for the rest
+whose wait is measured; it can be drained and stopped, and restarts its worker when that dies. The governor swaps
 handlers; the server routes requests to them.
 """
 
@@ -18,7 +19,7 @@ import multiprocessing as mp
 import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 
@@ -33,6 +34,8 @@ from qwen3_tts_engine.dispatch.launch import spawn_worker
 from qwen3_tts_engine.dispatch.spare import SpareWorker
 from qwen3_tts_engine.dispatch.text_input import TextInput
 from qwen3_tts_engine.log import logger
+from qwen3_tts_engine.models.memory_plan import chunk_transient_bytes
+from qwen3_tts_engine.models.stream_memory import StreamLayout, frame_budget
 from qwen3_tts_engine.priority import renice
 from qwen3_tts_engine.protocol import (
     DEFAULT_MAX_BATCH,
@@ -40,6 +43,7 @@ from qwen3_tts_engine.protocol import (
     SpeechRequest,
     check_compute_dtype,
 )
+from qwen3_tts_engine.rules import ModelInfo, text_mode_for
 
 _ids = itertools.count(1)
 
@@ -89,6 +93,8 @@ class Handler:
         frame_budget_s: float | None | str = "default",
         step_delay_s: float = 0.0,
         probe_every_s: float | None = PROBE_EVERY_S,
+        stream_memory_bytes: int | None = None,
+        worker_memory_bytes: int | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -108,6 +114,11 @@ class Handler:
         )
         self.step_delay_s = step_delay_s  # fault injection (messages.WorkerSpec; set_step_delay)
         self.probe_every_s = probe_every_s  # while requests wait, one over the slots this often
+        # The memory rule (`memory_budget`): the bytes its streams may hold, or the bytes the
+        # whole worker may (its streams get what its RSS when ready leaves); None: no rule.
+        self.stream_memory_bytes = stream_memory_bytes
+        self.worker_memory_bytes = worker_memory_bytes
+        self._ready_rss: int | None = None
         self.steps = StepModel()
         self.underruns = 0  # chunks made after their listener needed them (all workers so far)
         self.step_samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=4096)
@@ -123,7 +134,8 @@ class Handler:
         self.waiting = 0
         self.in_flight = 0
         # FIFO beyond the streams in real time; a step report may admit one over (a probe)
-        self._slots = Admission(lambda: self.slots, most=max_batch, probe_every_s=probe_every_s)
+        self._slots = Admission(lambda: self.slots, most=max_batch, probe_every_s=probe_every_s,
+                                fits=self._memory_fits)  # fmt: skip
         self._idle = asyncio.Event()
         self._idle.set()
         self._ready = asyncio.Event()
@@ -146,7 +158,9 @@ class Handler:
                        restart=self.restart, load_timeout=self.load_timeout,
                        max_batch=self.max_batch, compute_dtype=self.compute_dtype,
                        frame_budget_s=self.frame_budget_s, step_delay_s=self.step_delay_s,
-                       probe_every_s=self.probe_every_s)  # fmt: skip
+                       probe_every_s=self.probe_every_s,
+                       stream_memory_bytes=self.stream_memory_bytes,
+                       worker_memory_bytes=self.worker_memory_bytes)  # fmt: skip
         new.steps = self.steps.copy()
         return new
 
@@ -172,6 +186,49 @@ class Handler:
         """Streams this handler keeps in real time now (1..max_batch): its measured step time
         against the frame budget (`capacity.py`); max_batch without a budget."""
         return self.steps.slots(self.frame_budget_s, self.max_batch)
+
+    @property
+    def stream_layout(self) -> StreamLayout | None:
+        """What one stream of this worker's model holds (its worker says, from the model's config
+        and dtypes; the vocoder's chunk transient from the plan's measurement); None before load."""
+        layout = self.info.get("footprint", {}).get("stream_layout")
+        if not layout:
+            return None
+        return replace(StreamLayout.from_dict(layout),
+                       chunk_transient=chunk_transient_bytes(self.variant))  # fmt: skip
+
+    @property
+    def memory_budget(self) -> int | None:
+        """Bytes the streams of this worker may hold together (None: no memory rule): as set, or
+        the worker's budget less its RSS when it became ready (loaded and warmed)."""
+        if self.stream_memory_bytes is not None:
+            return self.stream_memory_bytes
+        if self.worker_memory_bytes is None or self._ready_rss is None:
+            return None
+        return max(0, self.worker_memory_bytes - self._ready_rss)
+
+    @property
+    def stream_memory(self) -> int:
+        """Bytes the running streams hold at their largest (`StreamLayout.batch_bytes`)."""
+        layout = self.stream_layout
+        return layout.batch_bytes(self._slots.held) if layout is not None else 0
+
+    @property
+    def waiting_for_memory(self) -> bool:
+        """The first queued request has a slot but not the memory (it starts when one ends)."""
+        return self._slots.held_by_memory
+
+    def _memory_fits(self, budgets: list[int]) -> bool:
+        budget, layout = self.memory_budget, self.stream_layout
+        return budget is None or layout is None or layout.batch_bytes(budgets) <= budget
+
+    def frame_budget(self, req: SpeechRequest) -> int:
+        """The most frames one cache row of `req` holds here (its admission cost)."""
+        try:
+            mode = text_mode_for(req, ModelInfo.from_info(self.info))
+        except (KeyError, RequestError):  # not loaded yet, or a request the worker will refuse
+            mode = "dual" if req.text_stream else "prompt"
+        return frame_budget(req, mode)
 
     @property
     def probes(self) -> int:
@@ -234,6 +291,7 @@ class Handler:
                       else f"worker exited ({answer.exitcode})")  # fmt: skip
             raise HandlerError(f"{self.name}: could not load {self.model!r}: {detail}")
         self.info = {**answer.info, "start_s": time.perf_counter() - t0, "pid": self._proc.pid}
+        self._ready_rss = answer.info.get("memory", {}).get("rss_bytes")
         self.state = "ready"
         self._ready.set()
         logger.info("handler %s ready (variant %s, pid %s, %.1fs)", self.name, self.variant,
@@ -383,11 +441,12 @@ class Handler:
             raise QueueFull(f"{self.waiting} requests are already waiting")
         result = result if result is not None else Result()
         t0 = time.perf_counter()
+        cost = self.frame_budget(req)
         self.waiting += 1
         self._idle.clear()
         try:
             try:
-                await self._take_turn()
+                await self._take_turn(cost)
             finally:
                 self.waiting -= 1
             self.in_flight += 1
@@ -408,28 +467,29 @@ class Handler:
                         yield chunk
             finally:
                 self.in_flight -= 1
-                self._slots.release()
+                self._slots.release(cost)
         finally:
             if self.queue_depth == 0:
                 self._idle.set()
 
-    async def _take_turn(self) -> None:
-        """Wait for a free slot (FIFO); leave the queue with HandlerDraining as soon as the handler
-        drains, so a swap's new handler serves queued requests without waiting for this one."""
-        acquire = asyncio.ensure_future(self._slots.acquire())
+    async def _take_turn(self, cost: int) -> None:
+        """Wait for a free slot and the memory of a stream of `cost` frames (FIFO); leave the
+        queue with HandlerDraining as soon as the handler drains, so a swap's new handler serves
+        queued requests without waiting for this one."""
+        acquire = asyncio.ensure_future(self._slots.acquire(cost))
         leave = asyncio.ensure_future(self._draining.wait())
         try:
             await asyncio.wait({acquire, leave}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # cancelled while queued (client went away)
             leave.cancel()
             if not acquire.cancel() and not acquire.cancelled() and acquire.exception() is None:
-                self._slots.release()  # it was granted in the meantime
+                self._slots.release(cost)  # it was granted in the meantime
             raise
         leave.cancel()
         if acquire.cancel():  # still queued: a cancelled acquire never takes the lock
             raise HandlerDraining(f"handler {self.name} is {self.state}")
         if self.state in ("draining", "stopped"):
-            self._slots.release()
+            self._slots.release(cost)
             raise HandlerDraining(f"handler {self.name} is {self.state}")
 
     async def _run(self, req, ref_audio, result: Result, t0: float,

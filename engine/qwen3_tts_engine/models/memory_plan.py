@@ -15,6 +15,9 @@ One engine worker of a rung takes
   + speaking measured: the largest RSS while it speaks one stream, over the RSS after load. It
              depends on the vocoder's dtype: mlx-cpu's bfloat16 vocoder keeps more transient
              memory than a float32 one.
+Its streams add what `stream_memory.py` counts (KV caches for their frame budgets, vocoder state,
+and the vocoder's transients, measured with a full batch: `BATCH`); a deployment's limit holds
+`--max-batch` streams at the frame cap (`EngineMemory.limit_for_streams`).
 An engine adds its server process (no mlx) and, with `--spare-worker`, a started worker with no
 model. The governor (governor/policy.py) swaps make-before-break when the working set (server,
 the old worker while it speaks, the spare) plus the new rung's footprint stays under
@@ -31,7 +34,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from qwen3_tts_engine.models.footprint import Tensors, estimate_weight_bytes, vocoder_bytes
-from qwen3_tts_engine.models.recipes import Recipe, get_recipe
+from qwen3_tts_engine.models.recipes import RECIPES, Recipe, get_recipe
+from qwen3_tts_engine.models.stream_memory import StreamLayout
 
 MB = 10**6
 
@@ -80,6 +84,61 @@ SPARE_WORKER_BYTES = 89 * MB
 
 
 @dataclass(frozen=True)
+class BatchMeasurement:
+    """A full batch on the real-size architecture (`qwen3-tts bench memory`), bytes."""
+
+    streams: int  # speaking together, 4-frame chunks
+    frames: int  # per stream
+    rss_after_load: int
+    rss_peak: int  # the kernel's RSS high-water mark while the batch spoke (reset after load)
+    mlx_peak: int  # mlx's peak active memory (weights included)
+    kv_per_position: int  # the talker cache's bytes per position and row, read from its arrays
+
+    @property
+    def speaking(self) -> int:
+        return self.rss_peak - self.rss_after_load
+
+
+# `qwen3-tts bench memory --max-batch 8 --frames 8 --compute-dtype weights` on the working tree
+# on f25a216 (2026-12-05; Linux x86-64, mlx-cpu, 2 cores, shared; the CustomVoice 0.6B
+# architecture with random weights, bf16 rung, the talker computing in bfloat16): 8 streams x 8
+# frames, two 4-frame chunks each, 237 s. MB: weights 2268.7 (talker 1811.6 + speech tokenizer
+# 457.2); RSS after load 2482.4, peak 3242.8 (1.43 x the weights); mlx after load 2268.7, peak
+# 2912.9. The talker cache: 256 positions x 8 rows x 114688 bytes (235 MB) from the first step,
+# the same at every step (one growth step holds the prompt and 8 frames).
+BATCH_MEASURED_AT = "working tree on f25a216, 2026-12-05, Linux x86-64, mlx-cpu"
+BATCH = BatchMeasurement(streams=8, frames=8, rss_after_load=round(2482.4 * MB),
+                         rss_peak=round(3242.8 * MB), mlx_peak=round(2912.9 * MB),
+                         kv_per_position=114_688)  # fmt: skip
+# The real 0.6B's attention shapes (mlx-audio's configs; tests/engine/models/test_memory_plan.py
+# holds them to `bench.memory.real_size_config()`): what a stream's caches take.
+REAL_TALKER_CONFIG = {
+    "num_hidden_layers": 28, "num_key_value_heads": 8, "head_dim": 128,
+    "code_predictor_config": {"num_hidden_layers": 5, "num_key_value_heads": 8, "head_dim": 128},
+}  # fmt: skip
+REAL_DECODER_CONFIG = {"num_hidden_layers": 8, "num_key_value_heads": 16, "head_dim": 64,
+                       "sliding_window": 72}  # fmt: skip
+
+
+def _batch_transient(batch: BatchMeasurement) -> int:
+    """Per stream, what the batch's peak held besides the streams' caches: the vocoder's
+    transients while the batch's chunks decode, activations, allocator slack."""
+    layout = StreamLayout.from_config(REAL_TALKER_CONFIG, 2, REAL_DECODER_CONFIG, 4)
+    return max(
+        0, (batch.speaking - layout.batch_bytes([batch.frames] * batch.streams)) // batch.streams
+    )
+
+
+# The vocoder's transient memory per stream per 4-frame chunk (float32 vocoder), from BATCH; the
+# speech tokenizer is the same in every Qwen3-TTS 12 Hz model, so a tiny test checkpoint is
+# over-counted by it. `models/stream_memory.py` adds it to each stream.
+VOCODER_CHUNK_BYTES = _batch_transient(BATCH)
+# What the limit keeps below the governor's downgrade watermark beyond the counted streams: the
+# KV cache's growth copy (a 256-position step reallocates a layer's cache), allocator slack.
+HEADROOM_BYTES = 256 * MB
+
+
+@dataclass(frozen=True)
 class Overhead:
     """Process memory besides the weights, bytes: the largest seen over the measured rungs (the
     transients by the vocoder's dtype: float32, or 16 bits)."""
@@ -119,6 +178,25 @@ def overhead_from(rows: Iterable[tuple[str, Measurement]]) -> Overhead:
 
 
 OVERHEAD = overhead_from([*MEASURED.items(), *MEASURED_FLOAT32.items()])
+
+
+def chunk_transient_bytes(variant: str | None) -> int:
+    """`VOCODER_CHUNK_BYTES` for `variant`'s vocoder: a 16-bit vocoder's in the ratio of the
+    one-stream speaking overheads measured per vocoder dtype (mlx-cpu keeps more for bfloat16)."""
+    sixteen = variant is not None and variant in RECIPES and bool(get_recipe(variant).vocoder_dtype)
+    if not sixteen:
+        return VOCODER_CHUNK_BYTES
+    return round(VOCODER_CHUNK_BYTES * OVERHEAD.speaking[1] / OVERHEAD.speaking[0])
+
+
+def real_stream_layout(variant: str, compute_dtype: str | None = None) -> StreamLayout:
+    """A stream of the real 0.6B on `variant`: its caches in the talker's compute dtype (None: the
+    weights', bfloat16 on every rung) and the vocoder's, and the vocoder's chunk transient."""
+    recipe = get_recipe(variant)
+    talker = 4 if compute_dtype == "float32" else 2
+    return StreamLayout.from_config(REAL_TALKER_CONFIG, talker, REAL_DECODER_CONFIG,
+                                    2 if recipe.vocoder_dtype else 4,
+                                    chunk_transient_bytes(variant))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -200,3 +278,16 @@ class EngineMemory:
         """A memory request that covers the top rung while it speaks (the kubelet evicts pods
         above their request first when a node runs short of memory)."""
         return self.serving(0)
+
+    def with_streams(self, i: int, stream_bytes: int) -> int:
+        """The working set with rung `i` loaded (settled) and its streams holding
+        `stream_bytes` (`StreamLayout.batch_bytes`)."""
+        return self.settled(i) + stream_bytes
+
+    def limit_for_streams(self, i: int, stream_bytes: int, downgrade_at: float,
+                          headroom: int = HEADROOM_BYTES) -> int:  # fmt: skip
+        """The smallest limit under whose downgrade watermark rung `i` holds `stream_bytes` of
+        streams with `headroom` to spare: limit = (server + spare + the worker settled + the
+        streams + headroom) / downgrade_at. Admission's budget ("auto", `config.worker_budget`)
+        is then at least the streams' bytes, so they start without waiting or a swap."""
+        return math.ceil((self.with_streams(i, stream_bytes) + headroom) / downgrade_at)

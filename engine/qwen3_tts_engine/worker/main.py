@@ -28,7 +28,12 @@ from qwen3_tts_engine.models.variants import resolve
 from qwen3_tts_engine.priority import renice
 from qwen3_tts_engine.protocol import FRAME_RATE, RequestError, SpeechRequest
 from qwen3_tts_engine.worker.loading import describe, load, quantized_modules, release_freed_memory
-from qwen3_tts_engine.worker.measure import kv_bytes_per_frame, model_bytes, process_memory
+from qwen3_tts_engine.worker.measure import (
+    kv_bytes_per_frame,
+    model_bytes,
+    process_memory,
+    stream_layout,
+)
 from qwen3_tts_engine.worker.scheduler import Scheduler
 from qwen3_tts_engine.worker.synthesis import stream_chunks
 
@@ -277,6 +282,7 @@ def _load(spec: msg.WorkerSpec):
         # What the process memory is made of: weights by part, the KV cache a stream adds
         # per frame, and the process after loading (before warm-up touched the runtime).
         "footprint": {**model_bytes(model), "kv_bytes_per_frame": kv_bytes_per_frame(model),
+                      "stream_layout": stream_layout(model).as_dict(),  # admission's memory
                       "loaded": process_memory()},
     }  # fmt: skip
     if spec.warmup:

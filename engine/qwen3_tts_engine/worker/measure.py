@@ -4,9 +4,13 @@ stream adds per frame, and the process's memory (the governor's footprints are b
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import psutil
 from mlx.utils import tree_flatten
+
+from qwen3_tts_engine.models.stream_memory import StreamLayout
 
 
 def process_memory() -> dict:
@@ -47,3 +51,19 @@ def kv_bytes_per_frame(model) -> int:
         )
         vocoder = d.num_hidden_layers * 2 * d.num_key_value_heads * head_dim * size
     return talker + vocoder
+
+
+def stream_layout(model) -> StreamLayout:
+    """What one stream of this loaded model holds (`models/stream_memory.py`), from its config
+    and the dtypes it runs in: the talker's (and code predictor's) as loaded, which a compute
+    dtype widens, and the vocoder's pre-transformer's."""
+    dtype = model.talker.model.norm.weight.dtype
+    st = getattr(model, "speech_tokenizer", None)
+    decoder, size = None, 4
+    if st is not None:
+        decoder = dataclasses.asdict(st.config.decoder_config)
+        size = next(
+            (v.dtype.size for k, v in tree_flatten(st.parameters()) if "pre_transformer" in k), 4
+        )
+    return StreamLayout.from_config(dataclasses.asdict(model.config.talker_config), dtype.size,
+                                    decoder, size)  # fmt: skip

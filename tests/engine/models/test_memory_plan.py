@@ -178,3 +178,46 @@ def test_the_bench_reads_a_peak_and_resets_it():
     assert high >= 200 * MB
     assert _reset_hwm(pid)
     assert _hwm(pid) < high - 150 * MB  # back to the RSS now, the 200 MB returned
+
+
+def test_the_plans_attention_shapes_are_the_real_architectures():
+    """`REAL_TALKER_CONFIG` / `REAL_DECODER_CONFIG` (what a stream's caches take) are mlx-audio's
+    real 0.6B configs, so the plan's stream bytes are those of the real model."""
+    import dataclasses
+
+    from mlx_audio.tts.models.qwen3_tts.config import Qwen3TTSTokenizerDecoderConfig
+
+    from qwen3_tts_engine.bench.memory import real_size_config
+
+    talker = real_size_config()["talker_config"]
+    for key, value in plan.REAL_TALKER_CONFIG.items():
+        if key == "code_predictor_config":
+            for k, v in value.items():
+                assert talker[key][k] == v, k
+        else:
+            assert talker[key] == value, key
+    decoder = dataclasses.asdict(Qwen3TTSTokenizerDecoderConfig())
+    assert {k: decoder[k] for k in plan.REAL_DECODER_CONFIG} == plan.REAL_DECODER_CONFIG
+
+
+def test_the_limit_for_a_batch_of_streams_is_the_settled_engine_plus_streams_and_headroom():
+    """limit = (server + spare + the worker settled + the streams + headroom) / downgrade_at,
+    and a bf16 stream at the 4096-frame cap holds its ~0.5 GB cache row plus its own parts."""
+    from qwen3_tts_engine.protocol import Limits
+
+    a = plan.RungMemory("bf16", 10, 20, 21, loading=35, speaking=30)
+    em = plan.EngineMemory([a], spare_worker=True, server=3, spare=4)
+    assert em.with_streams(0, 100) == 3 + 4 + 21 + 100
+    assert em.limit_for_streams(0, 100, 0.5, headroom=2) == 2 * (3 + 4 + 21 + 100 + 2)
+    layout = plan.real_stream_layout("bf16")
+    assert layout.chunk_transient == plan.VOCODER_CHUNK_BYTES > 0
+    # the bench read the talker cache's bytes per position from its arrays: the arithmetic's
+    assert plan.BATCH.kv_per_position == layout.talker_kv_per_frame
+    one = layout.stream_bytes(Limits.max_new_tokens)
+    assert one == 4352 * 114_688 + layout.per_stream()
+    assert plan.real_stream_layout("bf16", "float32").talker_kv_per_frame == 2 * 114_688
+    sixteen = plan.real_stream_layout("4bit-emb4-voc16")
+    assert (
+        sixteen.vocoder_kv * 2 == layout.vocoder_kv
+        and sixteen.chunk_transient > layout.chunk_transient
+    )
