@@ -36,25 +36,35 @@ from voice_agent.telephony import PHONE_SAMPLE_RATE, PhoneCall, PhoneCaller
 logger = logging.getLogger("voice_agent")
 
 _poller: FleetPoller | None = None
+_count_cpu = True
 _poller_lock = threading.Lock()
+
+
+def watch_fleet(settings: Settings, tts_url: str) -> FleetPoller | None:
+    """Start (or replace) the poller `load` reads: every engine behind `tts_url` (a comma-separated
+    list, as TTS_URL), weighed with `settings` (`tts_queue_capacity`, `agent_load_cpu`)."""
+    global _poller, _count_cpu
+    urls = [u.strip() for u in tts_url.split(",") if u.strip()]
+    with _poller_lock:
+        if _poller is not None:
+            _poller.stop()
+        _count_cpu = settings.agent_load_cpu
+        _poller = (
+            FleetPoller(urls, queue_capacity=settings.tts_queue_capacity).start() if urls else None
+        )
+        return _poller
 
 
 def load(server: AgentServer) -> float:
     """AgentServer.load_fnc (called from an executor thread every 0.5 s): the busier of this
-    host's CPU and the TTS fleet it uses (voice_agent.fleet_load: every engine behind TTS_URL)."""
-    global _poller
-    cpu = _DefaultLoadCalc.get_load(server) if os.environ.get("AGENT_LOAD_CPU") != "0" else 0.0
-    urls = [u.strip() for u in (os.environ.get("TTS_URL") or "").split(",") if u.strip()]
-    if not urls:
-        return cpu
+    host's CPU and the TTS fleet it uses (voice_agent.fleet_load: every engine behind TTS_URL,
+    as `watch_fleet` was given it)."""
     with _poller_lock:
-        if _poller is None or _poller.urls != [u.rstrip("/") for u in urls]:
-            if _poller is not None:
-                _poller.stop()
-            _poller = FleetPoller(urls, api_key=os.environ.get("QWEN3_TTS_API_KEY")).start()
-        poller = _poller
-    capacity = int(os.environ.get("TTS_QUEUE_CAPACITY") or 4)  # run_worker sets it from Settings
-    return min(1.0, max(cpu, poller.load(capacity)))
+        poller, count_cpu = _poller, _count_cpu
+    cpu = _DefaultLoadCalc.get_load(server) if count_cpu else 0.0
+    if poller is None:
+        return cpu
+    return min(1.0, max(cpu, poller.load()))
 
 
 def prewarm(proc: JobProcess) -> None:
@@ -172,8 +182,7 @@ def run_worker(argv: list[str], settings: Settings) -> int:
         os.environ["TTS_URL"], os.environ["LLM_BASE_URL"] = tts.url, llm.url
         if llm.model:
             os.environ["LLM_MODEL"] = llm.model
-        os.environ["TTS_QUEUE_CAPACITY"] = str(settings.tts_queue_capacity)  # `load` reads the env
-        os.environ["AGENT_LOAD_CPU"] = "1" if settings.agent_load_cpu else "0"
+        watch_fleet(settings, tts.url)  # what `load` reports to LiveKit
         # no public setters: two workers on a host need two ports; LiveKit serves /metrics itself
         server._host, server._port = settings.agent_http_host, settings.agent_http_port
         if settings.metrics_port and command in ("start", "dev"):

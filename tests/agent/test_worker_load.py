@@ -1,58 +1,61 @@
-"""The load a worker reports to LiveKit: CPU and its TTS fleet (every engine's free slots, queue
-and memory pressure: voice_agent.fleet_load)."""
+"""The load a worker reports to LiveKit: CPU and its TTS fleet (every engine's free slots, streams
+and memory load from its public `GET /load`, weighed by the plugin's fleet contract:
+voice_agent.fleet_load over `livekit.plugins.qwen3_tts.fleet`)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict
 
 import httpx
 import pytest
 
-from qwen3_tts_engine.governor.policy import Policy
+from livekit.plugins.qwen3_tts.fleet import Capacity, fleet_load
+from qwen3_tts_engine.protocol import LoadReport
 from tests.support.engine_process import EngineProcess, free_port
-from voice_agent.fleet_load import FleetPoller, engine_load, fleet_load
+from voice_agent.fleet_load import FleetPoller
+from voice_agent.settings import Settings
 
 
-def _status(*depths: int, pressure: float | None = None, **policy) -> dict:
-    """A status body as the engine sends it: with a governor, its whole policy is there."""
-    handlers = [{"name": f"h{i}", "queue_depth": d} for i, d in enumerate(depths)]
-    governor = None
-    if pressure is not None:
-        governor = {"pressure": {"source": "manual", "pressure": pressure},
-                    "policy": {**asdict(Policy()), **policy}}  # fmt: skip
-    return {"handlers": handlers, "governor": governor}
+def _report(
+    running: int = 0,
+    waiting: int = 0,
+    slots: int = 4,
+    *,
+    state: str = "serving",
+    memory_load: float = 0.0,
+) -> Capacity:
+    """An engine's /load as the engine writes it (`protocol.LoadReport`), read by the plugin."""
+    free = max(0, slots - running - waiting) if state == "serving" and memory_load < 1 else 0
+    report = LoadReport(running=running, waiting=waiting, max_batch=8, slots=slots, free_slots=free,
+                        accepting=state in ("serving", "swapping"), state=state, underruns=0,
+                        server_load=running + waiting, memory_load=memory_load)  # fmt: skip
+    load = Capacity.from_json(report.to_json())
+    assert load is not None
+    return load
 
 
-def test_queue_depth_over_capacity():
-    assert engine_load(_status(0), 4) == 0.0
-    assert engine_load(_status(1), 4) == 0.25
-    assert engine_load(_status(3), 4) == 0.75  # >= 0.7, LiveKit's production threshold: full
-    assert engine_load(_status(9), 4) == 1.0  # capped
-    assert engine_load(_status(1, 1), 4) == 0.5  # a retiring handler's requests count too
-    assert engine_load(_status(2), 0) == 1.0  # capacity 0 is treated as 1
+def test_streams_over_the_queue_capacity_on_the_least_loaded_engine():
+    one = [_report(slots=100, running=r) for r in (0, 1, 3, 9)]
+    assert [fleet_load([lo], 4) for lo in one] == [0.0, 0.25, 0.75, 1.0]  # capped at 1
+    assert fleet_load([_report(1, 1, slots=100)], 4) == 0.5  # waiting requests count too
+    assert fleet_load([_report(2, slots=100)], 0) == 1.0  # capacity 0 is treated as 1
+    assert fleet_load([_report(4, slots=100), _report(1, slots=100)], 4) == 0.25  # the least loaded
+    assert fleet_load([_report(4, slots=100)]) == pytest.approx(0.04)  # no capacity: slots only
 
 
-def test_no_status_adds_nothing():
-    assert engine_load(None, 4) == 0.0
-    assert engine_load({}, 4) == 0.0
-    assert engine_load({"handlers": [{"queue_depth": None}], "governor": None}, 4) == 0.0
+def test_no_report_adds_nothing():
+    assert fleet_load([], 4) == 0.0
+    assert Capacity.from_json({"server_load": 3}) is None  # vLLM's /load: not a report
+    assert Capacity.from_json(None) is None
 
 
-def test_memory_pressure_between_the_governors_watermarks():
-    assert engine_load(_status(0, pressure=0.5), 4) == 0.0  # below upgrade_at (0.65)
-    assert engine_load(_status(0, pressure=0.65), 4) == 0.0
-    assert engine_load(_status(0, pressure=0.80), 4) == pytest.approx(0.5)
-    assert engine_load(_status(0, pressure=0.86), 4) == pytest.approx(0.7)  # ~ downgrade_at
-    assert engine_load(_status(0, pressure=0.95), 4) == 1.0  # critical_at
-    assert engine_load(_status(0, pressure=1.2), 4) == 1.0
-    # the engine's own policy decides where the band lies
-    assert engine_load(
-        _status(0, pressure=0.6, upgrade_at=0.4, critical_at=0.8), 4
-    ) == pytest.approx(0.5)
-    # the larger of queue and memory
-    assert engine_load(_status(3, pressure=0.80), 4) == 0.75
+def test_memory_load_counts_and_at_the_critical_mark_the_engine_is_full():
+    assert fleet_load([_report(slots=100, memory_load=0.5)], 4) == 0.5
+    assert fleet_load([_report(3, slots=100, memory_load=0.5)], 4) == 0.75  # the larger
+    # at the critical mark: no free slot, whatever its slots say
+    assert fleet_load([_report(slots=4, memory_load=1.0)], 4) == 1.0
+    assert fleet_load([_report(slots=4, memory_load=1.0), _report(slots=4)], 4) == 0.5
 
 
 class _Clock:
@@ -67,53 +70,55 @@ class _Clock:
 
 
 def test_poller_without_an_engine_goes_stale(monkeypatch):
-    import voice_agent.fleet_load as fleet
+    import voice_agent.fleet_load as fleet_module
 
     clock = _Clock()
-    monkeypatch.setattr(fleet, "time", clock)
-    poller = FleetPoller([f"http://127.0.0.1:{free_port()}"], interval=0.05, timeout=0.5).start()
+    monkeypatch.setattr(fleet_module, "time", clock)
+    poller = FleetPoller([f"http://127.0.0.1:{free_port()}"], queue_capacity=4, interval=0.05,
+                         timeout=0.5).start()  # fmt: skip
     try:
-        assert not poller.stale and poller.load(4) == 0.0  # just started: nothing heard yet
-        clock.now += fleet.STALE_AFTER_S
+        assert not poller.stale and poller.load() == 0.0  # just started: nothing heard yet
+        clock.now += fleet_module.STALE_AFTER_S
         assert not poller.stale  # not yet: stale is *longer* than STALE_AFTER_S without an answer
         clock.now += 0.001
-        assert poller.statuses == {} and poller.stale
-        assert poller.load(4) == 1.0  # a silent fleet: saturated, whatever the CPU
+        assert poller.loads == {} and poller.stale
+        assert poller.load() == 1.0  # a silent fleet: saturated, whatever the CPU
     finally:
         poller.stop()
 
 
 @pytest.mark.slow  # a real engine
 def test_poller_reads_a_real_engine(tiny_checkpoint):
-    """The status of a real engine, with one synthesis queued behind another. Each wait is for
-    an event (the poller's first status; the poller seeing the three requests), bounded by a
-    hang guard; the requests are long enough to be in flight until the poller has seen them,
-    and then cancelled."""
-    engine = EngineProcess(tiny_checkpoint("custom_voice"), None, "--no-governor").start()
-    poller = FleetPoller(
-        [engine.url], interval=0.1, timeout=60
-    ).start()  # a busy host's slow answer is fine
+    """The public /load of a real engine (with an API key: /load needs none), with requests
+    queued behind each other. Each wait is for an event (the poller's first report; the poller
+    seeing the three requests), bounded by a hang guard; the requests are long enough to be in
+    flight until the poller has seen them, and then cancelled."""
+    engine = EngineProcess(tiny_checkpoint("custom_voice"), None, "--no-governor",
+                           env={"QWEN3_TTS_API_KEY": "fleet-key"}).start()  # fmt: skip
+    # a busy host's slow answer is fine
+    poller = FleetPoller([engine.url], queue_capacity=4, interval=0.1, timeout=60).start()
 
-    def status() -> dict | None:
-        return poller.statuses.get(engine.url.rstrip("/"))
+    def load() -> Capacity | None:
+        return poller.loads.get(engine.url.rstrip("/"))
 
     try:
         deadline = time.monotonic() + 120  # a hang guard
-        while status() is None and time.monotonic() < deadline:
+        while load() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert status() is not None and not poller.stale, "no status from the engine"
+        assert load() is not None and not poller.stale, "no load report from the engine"
         # --no-governor: no automatic swaps, but the governor still reads the host's memory
-        assert 0.0 <= status()["governor"]["pressure"]["pressure"]
-        assert engine_load({**status(), "governor": None}, 4) == 0.0  # an idle queue
+        assert load().memory_pressure is not None and load().server_load == 0
 
-        async def busy() -> float:
-            """Three long requests at once; the load the poller saw once all three were queued."""
+        async def busy() -> Capacity:
+            """Three long requests at once; the report the poller had once all three were in."""
             body = {"input": "Hello there, this keeps the engine busy. " * 4,
                     "voice": "ryan", "max_new_tokens": 400, "stream": True,
                     "response_format": "pcm"}  # fmt: skip
+            auth = {"Authorization": "Bearer fleet-key"}
 
             async def one(client: httpx.AsyncClient) -> None:
-                async with client.stream("POST", f"{engine.url}/v1/audio/speech", json=body) as r:
+                async with client.stream("POST", f"{engine.url}/v1/audio/speech", json=body,
+                                         headers=auth) as r:  # fmt: skip
                     async for _ in r.aiter_bytes():
                         pass
 
@@ -121,7 +126,7 @@ def test_poller_reads_a_real_engine(tiny_checkpoint):
                 tasks = [asyncio.ensure_future(one(client)) for _ in range(3)]
                 try:
                     async with asyncio.timeout(120):  # a hang guard
-                        while (seen := engine_load({**status(), "governor": None}, 4)) < 0.75:
+                        while (seen := load()).server_load < 3:
                             assert not any(t.done() for t in tasks), [
                                 t.result() for t in tasks if t.done()
                             ]
@@ -133,7 +138,8 @@ def test_poller_reads_a_real_engine(tiny_checkpoint):
             return seen
 
         seen = asyncio.run(busy())
-        assert seen == 0.75, f"the poller saw load {seen} with three requests in the engine"
+        assert seen.server_load == seen.running + seen.waiting == 3, seen
+        assert fleet_load([seen], 4) >= 0.75  # three of TTS_QUEUE_CAPACITY 4 at least
     finally:
         poller.stop()
         engine.stop()
@@ -142,22 +148,15 @@ def test_poller_reads_a_real_engine(tiny_checkpoint):
 # -- the fleet (issue 35): free slots of every engine behind TTS_URL ------------------------------
 
 
-def _with_capacity(free: int, slots: int, pressure: float | None = None) -> dict:
-    return {**_status(slots - free, pressure=pressure),
-            "capacity": {"free_slots": free, "slots": slots}}  # fmt: skip
-
-
 def test_fleet_load_is_the_share_of_slots_taken_over_all_engines():
-    assert fleet_load([_with_capacity(2, 2), _with_capacity(4, 4)], 4) == 0.0
-    assert fleet_load([_with_capacity(0, 2), _with_capacity(1, 4)], 4) == pytest.approx(1 - 1 / 6)
-    assert fleet_load([_with_capacity(0, 2), _with_capacity(0, 4)], 4) == 1.0  # all full: full
-    # an engine at its critical memory mark has no room whatever its slots say
-    assert fleet_load([_with_capacity(0, 2), _with_capacity(4, 4, pressure=0.99)], 4) == 1.0
+    assert fleet_load([_report(slots=2), _report(slots=4)], 4) == 0.0
+    assert fleet_load([_report(2, slots=2), _report(1, 2, slots=4)], 4) == pytest.approx(1 - 1 / 6)
+    assert fleet_load([_report(2, slots=2), _report(4, slots=4)], 4) == 1.0  # all full: full
     # TTS_QUEUE_CAPACITY requests on every engine: full, whatever the slots
-    assert fleet_load([_with_capacity(4, 8)], 4) == 1.0
-    # engines without a capacity report: the least loaded one by its queue
-    assert fleet_load([_status(4), _status(1)], 4) == 0.25
-    assert fleet_load([None, None], 4) == 0.0
+    assert fleet_load([_report(4, slots=8)], 4) == 1.0
+    # an engine that swaps, drains or loads takes no new stream: none of its slots are free
+    for state in ("swapping", "draining", "loading"):
+        assert fleet_load([_report(slots=2), _report(slots=2, state=state)], 4) == 0.5, state
 
 
 async def _engine(model: str, host: str, port: int, max_batch: int):
@@ -176,8 +175,8 @@ async def test_a_worker_whose_engines_are_full_reports_itself_full(tiny_checkpoi
     model = str(tiny_checkpoint("custom_voice", eos="never"))  # utterances that never end early
     port = free_port()
     engines = [await _engine(model, f"127.0.0.{i + 1}", port, n) for i, n in enumerate((1, 2))]
-    poller = FleetPoller([f"http://tts-fleet.test:{port}"], interval=0.05, timeout=30,
-                         resolve=lambda host, p: ["127.0.0.1", "127.0.0.2"]).start()  # fmt: skip
+    poller = FleetPoller([f"http://tts-fleet.test:{port}"], queue_capacity=4, interval=0.05,
+                         timeout=30, resolve=lambda host, p: ["127.0.0.1", "127.0.0.2"]).start()  # fmt: skip
     client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=30))
     body = {"input": "Hold this line for a while.", "voice": "ryan", "language": "english",
             "stream": True, "response_format": "pcm", "max_new_tokens": 2000}  # fmt: skip
@@ -192,11 +191,11 @@ async def test_a_worker_whose_engines_are_full_reports_itself_full(tiny_checkpoi
             after = poller.rounds + 1  # the round in flight may have begun before
             while poller.rounds <= after:
                 await asyncio.sleep(0.05)
-        return poller.load(4)
+        return poller.load()
 
     try:
         assert await load_once_running(0) == 0.0
-        assert sorted(poller.statuses) == [f"http://127.0.0.{i}:{port}" for i in (1, 2)]
+        assert sorted(poller.loads) == [f"http://127.0.0.{i}:{port}" for i in (1, 2)]
         for n, expected in ((1, 1 / 3), (2, 2 / 3), (3, 1.0)):
             url = f"http://{engines[0 if n == 1 else 1].config.host}:{port}/v1/audio/speech"
             held.append(await client.send(client.build_request("POST", url, json=body), stream=True))  # fmt: skip
@@ -216,15 +215,17 @@ async def test_a_worker_whose_engines_are_full_reports_itself_full(tiny_checkpoi
 
 
 def test_load_fnc_polls_every_engine_in_tts_url(monkeypatch):
-    """The worker's load_fnc watches the whole TTS_URL list, not only its first URL."""
+    """The worker's load_fnc watches the whole TTS_URL list, not only its first URL, weighed
+    with the settings it was given (no environment variable between them)."""
     import voice_agent.worker as worker
 
     urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.2:{free_port()}/"]
-    monkeypatch.setenv("TTS_URL", ",".join(urls))
-    monkeypatch.setenv("AGENT_LOAD_CPU", "0")
+    settings = Settings.load({"AGENT_LOAD_CPU": "0", "TTS_QUEUE_CAPACITY": "3"}, dotenv=None)
     monkeypatch.setattr(worker, "_poller", None)
+    poller = worker.watch_fleet(settings, ",".join(urls))
     try:
-        assert worker.load(None) == 0.0  # nothing heard yet, not yet stale
-        assert worker._poller.urls == [u.rstrip("/") for u in urls]
+        assert worker.load(None) == 0.0  # nothing heard yet, not yet stale; the CPU left out
+        assert poller.urls == [u.rstrip("/") for u in urls] and poller.queue_capacity == 3
     finally:
-        worker._poller.stop()
+        poller.stop()
+        monkeypatch.setattr(worker, "_count_cpu", True)

@@ -3,8 +3,9 @@
 The shipped file is checked with `haproxy -c`; then its backend runs on loopback in front of two
 real engine servers (tiny checkpoint): only the listening address and the server list change
 (its DNS-filled servers become the two engines' addresses), the balancing, health check and
-limits are the file's own. Two held streams land one on each engine (leastconn), as each engine's
-GET /load shows.
+limits are the file's own. Two held streams land one on each engine; when the second ends, a third
+goes to the engine it left idle (leastconn: round robin would give the first engine its turn), as
+each engine's GET /load shows.
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ async def engines(tiny_checkpoint):
         await srv.stop()
 
 
-async def test_haproxy_spreads_streams_over_engines_by_least_connections(
-    haproxy, engines, tmp_path
-):
+async def test_haproxy_sends_a_stream_to_the_engine_with_fewest_streams(haproxy, engines, tmp_path):
+    """Least connections, not turns: two held streams land one on each engine; the second one
+    ends; the third goes to the engine that is now idle. Round robin would send it to the first
+    engine again (its turn), so this fails if haproxy.cfg said `balance roundrobin`."""
     listen, stats = free_port(), tmp_path / "stats.sock"
     cfg = tmp_path / "haproxy.cfg"
     cfg.write_text(loopback_config([e.port for e in engines], listen, stats))
@@ -100,21 +102,40 @@ async def test_haproxy_spreads_streams_over_engines_by_least_connections(
         assert proc.returncode is None, (await proc.stderr.read()).decode()
         body = {"input": "Hold this line.", "voice": "ryan", "stream": True, "response_format": "pcm",
                 "max_new_tokens": 400, "seed": 1}  # fmt: skip
-        async with contextlib.AsyncExitStack() as stack, httpx.AsyncClient(timeout=600) as client:
-            held = []
-            for _ in range(2):
+        async with httpx.AsyncClient(timeout=600) as client:
+
+            async def running() -> list[int]:
+                return [(await client.get(f"http://127.0.0.1:{e.port}/load")).json()["running"]
+                        for e in engines]  # fmt: skip
+
+            async def hold(stack: contextlib.AsyncExitStack) -> None:
+                """A stream through HAProxy that has had its first audio and is then not read."""
                 r = await stack.enter_async_context(
                     client.stream("POST", f"http://127.0.0.1:{listen}/v1/audio/speech", json=body)
                 )
                 assert r.status_code == 200
                 chunks = r.aiter_raw()
-                await anext(chunks)  # audio: the stream runs; then it is held (not read)
-                held.append(chunks)
-            running = [
-                (await client.get(f"http://127.0.0.1:{e.port}/load")).json()["running"]
-                for e in engines
-            ]
-            assert running == [1, 1], running
+                await anext(chunks)
+                held.append(chunks)  # kept: a collected iterator would close the response
+
+            held: list = []
+            async with contextlib.AsyncExitStack() as first:
+                await hold(first)
+                (a,) = [i for i, n in enumerate(await running()) if n == 1]
+                async with contextlib.AsyncExitStack() as second:
+                    await hold(second)
+                    assert await running() == [1, 1]  # one on each: the other had none
+                # the second stream has ended: its engine is idle once it has let go of it
+                b = 1 - a
+                async with asyncio.timeout(HANG_GUARD_S):
+                    while (now := await running())[b] != 0:
+                        await asyncio.sleep(0.05)
+                assert now[a] == 1
+                async with contextlib.AsyncExitStack() as third:
+                    await hold(third)
+                    assert await running() == [1, 1], (
+                        "the third stream did not go to the idle engine"
+                    )
     finally:
         if proc.returncode is None:
             proc.terminate()

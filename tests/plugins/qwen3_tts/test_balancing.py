@@ -22,8 +22,9 @@ import pytest
 from livekit.agents import APIConnectOptions
 from livekit.plugins import qwen3_tts
 
-from livekit.plugins.qwen3_tts.balance import Candidate, estimated_free, pick
-from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES, EngineCapacity
+from livekit.plugins.qwen3_tts.balance import Candidate, pick
+from livekit.plugins.qwen3_tts.fleet import Capacity, free_slots
+from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES
 from qwen3_tts_engine import Engine, EngineServer, Handler, ServerConfig
 from qwen3_tts_engine.protocol import Limits
 from tests.support.engine_process import EngineProcess, free_port
@@ -47,19 +48,20 @@ KILL_MARGIN_MS = 500  # per stream per step, on the engines a test kills mid-sen
 # -- the choice, on given loads ------------------------------------------------------------------
 
 
-def _load(slots: int, running: int = 0, waiting: int = 0, **kw) -> EngineCapacity:
-    return EngineCapacity(running=running, waiting=waiting, slots=slots,
-                          free_slots=max(0, slots - running - waiting), **kw)  # fmt: skip
+def _load(slots: int, running: int = 0, waiting: int = 0, **kw) -> Capacity:
+    return Capacity(running=running, waiting=waiting, slots=slots,
+                    free_slots=max(0, slots - running - waiting), **kw)  # fmt: skip
 
 
 def test_estimated_free_counts_other_clients_as_reported_and_this_one_exactly():
     load = _load(4, running=3)  # 1 of them this client's when the report came
-    assert estimated_free(load, others_then=2, outstanding=1) == 1
-    assert estimated_free(load, others_then=2, outstanding=2) == 0  # one more sent since
-    assert estimated_free(None, 0, 5) is None  # no report: unknown
+    assert free_slots(load, others_then=2, outstanding=1) == 1
+    assert free_slots(load, others_then=2, outstanding=2) == 0  # one more sent since
+    assert free_slots(None, 0, 5) is None  # no report: unknown
     for state in ("swapping", "draining", "loading"):
-        assert estimated_free(_load(4, state=state), 0, 0) == 0
-    assert estimated_free(_load(4, accepting=False), 0, 0) == 0
+        assert free_slots(_load(4, state=state), 0, 0) == 0
+    assert free_slots(_load(4, accepting=False), 0, 0) == 0
+    assert free_slots(_load(4, memory_load=1.0), 0, 0) == 0  # at the governor's critical mark
 
 
 def test_an_engine_with_room_is_taken_before_a_less_used_full_one():
@@ -119,13 +121,13 @@ def _url(srv: EngineServer) -> str:
     return f"http://{srv.config.host}:{srv.port}"
 
 
-async def _loads(servers) -> dict[str, EngineCapacity]:
+async def _loads(servers) -> dict[str, Capacity]:
     async with httpx.AsyncClient(timeout=30) as client:
-        return {_url(s): EngineCapacity.from_json((await client.get(f"{_url(s)}/load")).json())
+        return {_url(s): Capacity.from_json((await client.get(f"{_url(s)}/load")).json())
                 for s in servers}  # fmt: skip
 
 
-async def _until_loads(servers, what: str, ok) -> dict[str, EngineCapacity]:
+async def _until_loads(servers, what: str, ok) -> dict[str, Capacity]:
     async with asyncio.timeout(HANG_GUARD_S):
         while not ok(loads := await _loads(servers)):
             await asyncio.sleep(0.05)

@@ -1,24 +1,27 @@
 """The plugin and the engine speak one protocol without importing each other: the plugin's
 `protocol.py` (client half) and the engine's `protocol.py` (server half) are checked against
-each other here: constants and headers, every request field the plugin sends, the status
-fields the agent weighs, and the error bodies the plugin reads."""
+each other here: constants and headers, every request field the plugin sends, the load report
+(`GET /load`) the plugin's fleet contract reads and its rule for free slots, and the error bodies
+the plugin reads."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, fields
+import itertools
+from dataclasses import MISSING, fields
 
 import pytest
 from livekit.plugins import qwen3_tts
 
+from livekit.plugins.qwen3_tts import fleet
 from livekit.plugins.qwen3_tts import protocol as client
 from qwen3_tts_engine import protocol as server
+from qwen3_tts_engine.dispatch.engine import free_slots as engine_free_slots
 from qwen3_tts_engine.dispatch.handler import HandlerError, QueueFull
-from qwen3_tts_engine.governor.memory import MemoryReading
-from qwen3_tts_engine.governor.policy import Policy
 from qwen3_tts_engine.serving.errors import as_request_error
 
 SHARED = ("SAMPLE_RATE", "SAMPLE_RATES", "FRAME_RATE", "FRAME_SAMPLES", "CHUNK_FRAMES", "BYTES_PER_SAMPLE",
-          "HEADER_VARIANT", "HEADER_MODEL", "HEADER_SAMPLE_RATE", "HEADER_REQUEST_ID", "LANGUAGES")  # fmt: skip
+          "HEADER_VARIANT", "HEADER_MODEL", "HEADER_SAMPLE_RATE", "HEADER_REQUEST_ID", "LANGUAGES",
+          "SPEECH_STREAM_PATH", "SPEECH_STREAM_SUBPROTOCOL")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SHARED)
@@ -73,36 +76,53 @@ async def test_the_vllm_omni_body_parses_too():
     assert "seed" not in body and "variant" not in body  # fields vLLM-Omni does not define
 
 
-def _status(pressure: float | None, *depths: int) -> dict:
-    handlers = [server.HandlerStatus(
-        name=f"h{i}", variant="bf16", state="ready", pid=100 + i, active=i == 0, retiring=i > 0,
-        queue_depth=d, waiting=max(0, d - 1), restarts=0, last_stats=None, memory={}, info={},
-        quantized_modules=0) for i, d in enumerate(depths)]  # fmt: skip
-    governor = None
-    if pressure is not None:  # the keys the governor's status really has
-        reading = MemoryReading(source="manual", limit_bytes=1000, used_bytes=int(pressure * 1000))
-        governor = {"pressure": reading.as_dict(), "policy": asdict(Policy())}
-    status = server.EngineStatus(model="m", active_variant="bf16", serving=True,
-                                 waiting_for_swap=0, handlers=handlers, governor=governor)  # fmt: skip
-    return status.to_json()
+# -- the fleet contract: the engine's LoadReport (schema) and rule vs the plugin's fleet module ---
 
 
-def test_the_status_fields_the_client_weighs():
-    body = _status(0.8, 2, 1)
-    assert server.EngineStatus.from_json(body).queue_depth == 3
-    load = client.EngineLoad.from_status(body)
-    policy = Policy()
-    assert load.queue_depth == 3
-    assert load.memory_pressure == pytest.approx(0.8)
-    assert (load.upgrade_at, load.critical_at) == (policy.upgrade_at, policy.critical_at)
-    assert 0 < load.memory_load() < 1
-    no_governor = client.EngineLoad.from_status(_status(None, 1))
-    assert no_governor.queue_depth == 1 and no_governor.memory_load() == 0.0
-    # a newer engine may add fields: both sides ignore what they do not know
-    body["handlers"][0]["new_field"] = 1
-    body["new_top_level"] = {}
-    assert server.EngineStatus.from_json(body).handlers[0].name == "h0"
-    assert client.EngineLoad.from_status(body).queue_depth == 3
+def test_every_load_field_the_plugin_reads_is_one_the_engine_writes_with_the_same_default():
+    """`fleet.Capacity` is a view of `protocol.LoadReport`: each of its fields is a field of the
+    report, with the same type and (where the report has one) the same default."""
+    report = {f.name: f for f in fields(server.LoadReport)}
+    for f in fields(fleet.Capacity):
+        assert f.name in report, f"the plugin reads {f.name!r}, which /load does not carry"
+        assert f.type == report[f.name].type, f.name
+        if report[f.name].default is not MISSING:
+            assert f.default == report[f.name].default, f.name
+    # what routers and the agent weigh is all there
+    assert {"running", "waiting", "slots", "free_slots", "accepting", "state", "server_load",
+            "memory_pressure", "memory_load"} <= {f.name for f in fields(fleet.Capacity)}  # fmt: skip
+
+
+def test_a_report_reads_back_whole_and_a_newer_engines_fields_are_ignored():
+    body = server.LoadReport(running=2, waiting=1, max_batch=8, slots=4, free_slots=1,
+                             accepting=True, state="serving", underruns=0, server_load=3,
+                             memory_pressure=0.7, memory_load=0.2).to_json()  # fmt: skip
+    load = fleet.Capacity.from_json({**body, "a_field_from_the_future": {}})
+    assert load == fleet.Capacity(running=2, waiting=1, slots=4, free_slots=1, accepting=True,
+                                  state="serving", max_batch=8, server_load=3,
+                                  memory_pressure=0.7, memory_load=0.2)  # fmt: skip
+    assert server.LoadReport.from_json(
+        {**body, "a_field_from_the_future": {}}
+    ) == server.LoadReport(**body)
+    assert fleet.Capacity.from_json({"server_load": 3}) is None  # vLLM's /load: not a report
+
+
+@pytest.mark.parametrize("state", server.LOAD_STATES)
+def test_free_means_the_same_on_both_sides(state):
+    """The engine's one rule (`dispatch.engine.free_slots`, what /load says) and the plugin's
+    (`fleet.free_slots` of that report with its own streams) agree in every state, at every
+    memory load and with the batch under, at and over its slots."""
+    for slots, streams, memory_load in itertools.product((1, 4), (0, 1, 4, 6), (0.0, 0.5, 1.0)):
+        free = engine_free_slots(state, slots, streams, memory_load)
+        report = server.LoadReport(running=min(streams, slots), waiting=max(0, streams - slots),
+                                   max_batch=8, slots=slots, free_slots=free,
+                                   accepting=state in ("serving", "swapping"), state=state,
+                                   underruns=0, server_load=streams, memory_load=memory_load)  # fmt: skip
+        load = fleet.Capacity.from_json(report.to_json())
+        mine = fleet.free_slots(load, fleet.others(load, 0), 0)
+        assert max(0, mine) == free, (state, slots, streams, memory_load)
+        assert load.takes_new == (free > 0 or (state == "serving" and memory_load < 1))
+    assert fleet.free_slots(None) is None  # no report: unknown
 
 
 @pytest.mark.parametrize("err, status", [

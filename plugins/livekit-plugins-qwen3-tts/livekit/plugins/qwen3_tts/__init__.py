@@ -1,12 +1,16 @@
 """Qwen3-TTS plugin for LiveKit Agents.
 
 `TTS` is a streaming client (httpx; no mlx) of a Qwen3-TTS engine server: `qwen3-tts serve`
-from the `qwen3-tts-engine` package, or vLLM-Omni (`protocol="vllm-omni"`).
+from the `qwen3-tts-engine` package, or vLLM-Omni (`protocol="vllm-omni"`). `fleet` is the fleet
+contract (an engine's load, the engines behind a URL, free slots, a fleet's load) for callers
+that place work by it, such as an agent worker's load.
 """
 
+from . import fleet
 from .clauses import FirstClauseTokenizer
+from .fleet import Capacity, Target
 from .models import TaskTypes, TTSLanguages, TTSModels, TTSVoices, Variants
-from .protocol import SAMPLE_RATE, EngineLoad
+from .protocol import SAMPLE_RATE
 from .tts import TTS, ChunkedStream, SentenceReport, SynthesizeStream
 from .version import __version__
 
@@ -15,7 +19,9 @@ __all__ = [
     "ChunkedStream",
     "SynthesizeStream",
     "SentenceReport",
-    "EngineLoad",
+    "fleet",
+    "Capacity",
+    "Target",
     "FirstClauseTokenizer",
     "SAMPLE_RATE",
     "TTSModels",

@@ -1,5 +1,6 @@
 """Which engine takes the next request: the plugin's choice among usable endpoints, as pure
-functions over a snapshot of each one's load (no I/O, no clock; `endpoints.py` feeds them).
+functions over a snapshot of each one's load (no I/O, no clock; `endpoints.py` feeds them, with
+each engine's free slots by `fleet.free_slots`).
 
 `balanced`: an engine with room first (its estimated free slots > 0, or unknown), then power of
 two choices by utilisation: two candidates drawn at random, the less used one taken, so that many
@@ -14,32 +15,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .models import Strategy
-from .protocol import EngineCapacity
 
 
 @dataclass(frozen=True)
 class Candidate:
     order: int  # position in the configured (and resolved) order
     outstanding: int  # this client's requests in flight there
-    free: int | None  # estimated free slots; None: the engine does not report its load
+    free: int | None  # estimated free slots (fleet.free_slots); None: the engine reports no load
     slots: int | None = None  # streams it keeps in real time, as last reported
-
-
-def others(load: EngineCapacity, mine_then: int) -> int:
-    """The streams on an engine that are not this client's, as of its load report
-    (`mine_then`: this client's requests in flight when the report arrived)."""
-    return max(0, load.running + load.waiting - mine_then)
-
-
-def estimated_free(load: EngineCapacity | None, others_then: int, outstanding: int) -> int | None:
-    """An engine's free slots now: its reported slots less other clients' streams (as of the
-    report, which goes stale between refreshes) and this client's (exact, counted here). An
-    engine that is swapping, draining or loading has none; None without a report."""
-    if load is None:
-        return None
-    if not load.takes_new:
-        return 0
-    return load.slots - others_then - outstanding
 
 
 def utilisation(c: Candidate) -> float:

@@ -1,7 +1,7 @@
 """The engines a TTS talks to: their health, their load, and the choice of one per request.
 
 Each configured URL is one endpoint, or one per address when its host name resolves to several
-(`discovery.py`; re-resolved every `resolve_interval` s: new addresses are used, vanished ones
+(`fleet.Target`; re-resolved every `resolve_interval` s: new addresses are used, vanished ones
 dropped once their requests end). A request goes to the endpoint `balance.pick` chooses among the
 healthy ones: by load (`balanced`, the default) or in configured order (`priority`). An endpoint
 that fails is marked down and passed over until its `/ready` answers 200; one that answers 429
@@ -28,10 +28,10 @@ import httpx
 from livekit.agents import APIConnectionError
 
 from . import balance
-from .discovery import Resolver, Target, system_resolver
+from .fleet import LOAD_PATH, Capacity, Resolver, Target, free_slots, others, system_resolver
 from .log import logger
 from .models import Strategy
-from .protocol import STATUS_PATH, EngineCapacity, streams_text
+from .protocol import STATUS_PATH, streams_text
 
 STRATEGIES = ("balanced", "priority")
 RESOLVE_TIMEOUT_S = 5.0  # a resolver that takes longer counts as failed (the known set stays)
@@ -50,7 +50,7 @@ class Endpoint:
     outstanding: int = 0  # this client's requests in flight here
     rejections: int = 0  # 429 answers
     busy_until: float = 0.0  # after a 429: passed over until then (its Retry-After)
-    load: EngineCapacity | None = None  # the last `GET /load` (None: none, or no such endpoint)
+    load: Capacity | None = None  # the last `GET /load` (None: none, or no such endpoint)
     others: int = 0  # streams of other clients on the engine, as of `load`
     load_at: float | None = None
     load_supported: bool = True  # False once /load answered 404 (an older engine, vLLM-Omni)
@@ -60,7 +60,7 @@ class Endpoint:
 
     def free(self) -> int | None:
         """Estimated free slots now (None: the engine does not report its load)."""
-        return balance.estimated_free(self.load, self.others, self.outstanding)
+        return free_slots(self.load, self.others, self.outstanding)
 
 
 @dataclass
@@ -261,7 +261,7 @@ class EndpointPool:
         """`GET /load`: the engine's slots and streams. Not a health check: a failure only makes
         the load unknown (a request, or the recovery probe, decides about health)."""
         try:
-            r = await self._client.get(f"{ep.url}/load")
+            r = await self._client.get(f"{ep.url}{LOAD_PATH}")
         except httpx.HTTPError:
             ep.load = None
             return
@@ -271,14 +271,14 @@ class EndpointPool:
             logger.info("TTS endpoint %s has no /load: balanced by requests in flight", ep.url)
             return
         try:
-            load = EngineCapacity.from_json(r.json()) if r.status_code == 200 else None
+            load = Capacity.from_json(r.json()) if r.status_code == 200 else None
         except ValueError:
             load = None
         if load is None:
             ep.load_supported = r.status_code != 200  # a /load of another kind: stop asking
         ep.load = load
         if load is not None:
-            ep.others = balance.others(load, ep.outstanding)
+            ep.others = others(load, ep.outstanding)
 
     async def resolve(self) -> None:
         """Resolve every name now (new addresses join, vanished ones retire)."""
@@ -294,21 +294,20 @@ class EndpointPool:
         target = src.target
         try:
             async with asyncio.timeout(RESOLVE_TIMEOUT_S):
-                addresses = [str(a) for a in await self._resolver(target.host, target.default_port)]
+                urls = await target.expand(self._resolver)
         except Exception as e:  # socket.gaierror, a timeout, or whatever a custom resolver raises
-            addresses = []
+            urls = []
             reason = f"{type(e).__name__}: {e}"
         else:
             reason = "no address"
         src.resolved_at = time.monotonic()
-        if not addresses:
+        if not urls:
             if not src.endpoints:  # never resolved: the name itself (a request will say why)
                 logger.warning("TTS endpoint %s: cannot resolve %s (%s)", target.url, target.host,
                                reason)  # fmt: skip
                 src.endpoints = [Endpoint(target.url, source=target.url)]
                 self._rebuild()
             return  # a failed re-resolution keeps the engines it knew
-        urls = [target.at(a) for a in addresses]
         known = {ep.url: ep for ep in src.endpoints}
         for ep in src.endpoints:
             gone = ep.url not in urls

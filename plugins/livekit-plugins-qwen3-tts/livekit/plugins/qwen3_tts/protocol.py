@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import unicodedata
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 ENGINE_FULL = "engine_full"  # the error code of a 429: batch and queue are full, try another engine
@@ -122,73 +121,6 @@ def stream_error(event: Mapping) -> tuple[int, str]:
     except (TypeError, ValueError):
         status = 500
     return status, error_message(event) or f"engine error {status}"
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """What a client weighs from `GET /v1/engine/status`: requests waiting or in flight on
-    every handler, and the memory governor's pressure with its policy's band (when it runs)."""
-
-    queue_depth: int
-    memory_pressure: float | None = None
-    upgrade_at: float | None = None  # at or below: memory is comfortable
-    critical_at: float | None = None  # at or above: the engine is out of memory headroom
-
-    @classmethod
-    def from_status(cls, body: Mapping | None) -> EngineLoad:
-        if not body:
-            return cls(queue_depth=0)
-        depth = sum(int(h.get("queue_depth") or 0) for h in body.get("handlers") or [])
-        governor = body.get("governor") or {}
-        pressure = (governor.get("pressure") or {}).get("pressure")
-        policy = governor.get("policy") or {}
-        if (
-            pressure is None
-            or policy.get("upgrade_at") is None
-            or policy.get("critical_at") is None
-        ):
-            return cls(queue_depth=depth)
-        return cls(queue_depth=depth, memory_pressure=float(pressure),
-                   upgrade_at=float(policy["upgrade_at"]), critical_at=float(policy["critical_at"]))  # fmt: skip
-
-    def memory_load(self) -> float:
-        """0 at or below `upgrade_at`, 1 at `critical_at`, linear between; 0 without a governor."""
-        if self.memory_pressure is None:
-            return 0.0
-        low, high = self.upgrade_at, self.critical_at
-        return (self.memory_pressure - low) / max(1e-6, high - low)
-
-
-@dataclass(frozen=True)
-class EngineCapacity:
-    """An engine's `GET /load` (the server's `protocol.LoadReport`): streams running and waiting,
-    the streams it keeps in real time now (`slots`) and whether it takes new ones."""
-
-    running: int
-    waiting: int
-    slots: int
-    free_slots: int
-    accepting: bool = True
-    state: str = "serving"  # serving | swapping | draining | loading
-
-    @classmethod
-    def from_json(cls, body: Any) -> EngineCapacity | None:
-        """None for a body that is not a load report (a server with another `/load`: vLLM's is
-        `{"server_load": N}`)."""
-        if not isinstance(body, Mapping):
-            return None
-        try:
-            return cls(running=int(body["running"]), waiting=int(body["waiting"]),
-                       slots=int(body["slots"]), free_slots=int(body["free_slots"]),
-                       accepting=bool(body.get("accepting", True)),
-                       state=str(body.get("state", "serving")))  # fmt: skip
-        except (KeyError, TypeError, ValueError):
-            return None
-
-    @property
-    def takes_new(self) -> bool:
-        """Admits a new stream without queueing it behind a swap, a drain or a load."""
-        return self.accepting and self.state == "serving"
 
 
 def retry_after_s(value: str | None, default: float = 1.0) -> float:

@@ -1,6 +1,7 @@
 """One utterance spoken over the engine's streaming-text WebSocket on one endpoint: its text goes
 to the engine as the LLM writes it, and the audio comes back while text still arrives. The socket
-transport of the failover loop (`failover.py`).
+transport of the failover loop (`failover.py`). The socket is a warm one, kept open between
+utterances (`socket_pool.py`); one closed while it waited is replaced before the start is lost.
 
 Failover: when a socket fails, the utterance goes to the next endpoint with the same seed, the
 text so far is replayed in one append, and the audio bytes already played are skipped. The
@@ -34,14 +35,13 @@ from .protocol import (
     MSG_TEXT_APPEND,
     MSG_TEXT_END,
     SAMPLE_RATE,
-    SPEECH_STREAM_PATH,
-    SPEECH_STREAM_SUBPROTOCOL,
     rate_mismatch,
     retry_after_s,
     stream_error,
 )
 from .replay import play_unheard
 from .segment_text import SegmentText
+from .socket_pool import SocketPool, WarmSocket
 
 
 @dataclass
@@ -56,6 +56,9 @@ class TextStreamReport:
     variant: str | None = None
     seed: int | None = None  # sent on every socket, so that a failover repeats the same audio
     first_chunk_frames: int | None = None
+    # Its first socket was open before it asked for one (parked in the pool, or prewarmed):
+    # no TCP handshake, no upgrade.
+    warm: bool | None = None
     first_audio_s: float | None = None  # from the utterance's first socket opening
     engine_first_audio_ms: float | None = None  # the engine's `response.first_audio`
     # Whether the first audio came while the text was still open (before input_text.end).
@@ -72,34 +75,37 @@ class TextStreamReport:
         return self.delivered_bytes // 2
 
 
-async def _close(ws: aiohttp.ClientWebSocketResponse, sender: asyncio.Task) -> None:
-    await asyncio.gather(sender, return_exceptions=True)
-    await ws.close()
-
-
 class NoTextStreaming(Exception):
     """The engine chosen for a segment does not take streamed text and nothing has played yet:
     the segment is spoken as sentences instead."""
 
 
+class _Stale(Exception):
+    """A socket taken from the pool was gone before the engine took the start (closed while it
+    was parked): the utterance goes on a new socket to the same endpoint, nothing lost."""
+
+
 class SocketAttempt:
-    """`text` over one socket per try: `session.start` (`start`, with its seed), the text so far
-    in one append, each later piece as it comes, then `input_text.end`; PCM into `deliver`.
+    """`text` over one socket per try (a warm one from `sockets`): `session.start` (`start`, with
+    its seed), the text so far in one append, each later piece as it comes, then `input_text.end`;
+    PCM into `deliver`. After `response.done` the socket goes back to the pool; cancelled
+    (barge-in) it is given `response.cancel` first (`SocketPool.cancel`); failed, it is closed.
 
     `ask_engine`: read each endpoint's status first ("auto") rather than assume the socket; an
     endpoint without it raises NoTextStreaming where `may_fall_back` and nothing was played."""
 
     def __init__(
-        self, *, pool: EndpointPool, session: aiohttp.ClientSession, headers: dict[str, str],
-        start: dict, text: SegmentText, report: TextStreamReport, conn: APIConnectOptions,
-        deliver: Callable[[bytes], None], on_sent: Callable[[], None], ask_engine: bool,
-        may_fall_back: bool,
+        self, *, pool: EndpointPool, sockets: SocketPool, start: dict, text: SegmentText,
+        report: TextStreamReport, conn: APIConnectOptions, deliver: Callable[[bytes], None],
+        on_sent: Callable[[], None], ask_engine: bool, may_fall_back: bool,
     ) -> None:  # fmt: skip
-        self._pool, self._session, self._headers = pool, session, headers
+        self._pool, self._sockets = pool, sockets
         self._start, self._text, self._conn = start, text, conn
         self._deliver, self._on_sent = deliver, on_sent
         self._ask_engine, self._may_fall_back = ask_engine, may_fall_back
         self._ended = False  # input_text.end was sent on the current socket
+        self._started = False  # session.start went to the current socket
+        self._done = False  # the current socket said response.done
         self._t0 = time.perf_counter()  # first audio is counted from the utterance's first try
         self.report = report
         report.seed = start.get("seed")
@@ -115,47 +121,45 @@ class SocketAttempt:
         attrs = {"qwen3_tts.endpoint": ep.url, "qwen3_tts.text_input": "stream"}
         with tracer.start_as_current_span("qwen3_tts.text_stream", kind=SpanKind.CLIENT,
                                           attributes=attrs) as span:  # fmt: skip
-            headers = dict(self._headers)
-            propagate.inject(headers)  # the engine continues LiveKit's trace (W3C traceparent)
-            ws = await self._connect(ep, headers)
-            sender = asyncio.create_task(self._send(ws), name="qwen3-tts-text")
-            try:
-                await self._receive(ws, sender)
-            finally:
-                # Shielded: LiveKit cancels a closing stream's tasks twice (aio.cancel_and_wait
-                # after gather's cancel); the socket must close all the same, and the engine
-                # cancels an utterance whose socket closes.
-                sender.cancel()
-                await asyncio.shield(_close(ws, sender))
-                span.set_attributes({"qwen3_tts.variant": report.variant or "",
-                                     "qwen3_tts.text_chars": len(report.text),
-                                     "qwen3_tts.first_audio_s": report.first_audio_s or -1.0,
-                                     "qwen3_tts.delivered_bytes": report.delivered_bytes})  # fmt: skip
+            first = report.warm is None  # the utterance's first endpoint
+            while True:
+                sock = await self._sockets.get(ep.url, self._conn.timeout)
+                if first:  # of the socket that takes the start (after a stale one: a new one)
+                    report.warm = sock.reused
+                try:
+                    await self._speak_on(sock)
+                    break
+                except _Stale as e:  # a new socket is next (a stale one is never handed out twice)
+                    logger.info("TTS socket to %s was closed while idle (%s): reconnecting",
+                                ep.url, e)  # fmt: skip
+            span.set_attributes({"qwen3_tts.variant": report.variant or "",
+                                 "qwen3_tts.text_chars": len(report.text),
+                                 "qwen3_tts.warm_socket": bool(report.warm),
+                                 "qwen3_tts.first_audio_s": report.first_audio_s or -1.0,
+                                 "qwen3_tts.delivered_bytes": report.delivered_bytes})  # fmt: skip
 
-    async def _connect(
-        self, ep: Endpoint, headers: dict[str, str]
-    ) -> aiohttp.ClientWebSocketResponse:
-        url = "ws" + ep.url.removeprefix("http") + SPEECH_STREAM_PATH
-        timeout = self._conn.timeout
+    async def _speak_on(self, sock: WarmSocket) -> None:
+        """The utterance on `sock`; the socket goes back to the pool, to a barge-in's cancel, or
+        is closed, by how it ended."""
+        self._started = self._done = False
+        sender = asyncio.create_task(self._send(sock.ws), name="qwen3-tts-text")
+        cancelled = False
         try:
-            async with asyncio.timeout(timeout):
-                return await self._session.ws_connect(
-                    url, protocols=(SPEECH_STREAM_SUBPROTOCOL,), headers=headers,
-                    # A peer that stops answering pings is found within `timeout` of the last
-                    # message while the text is still open (the engine may rightly be silent).
-                    heartbeat=timeout * 2 / 3,
-                    timeout=aiohttp.ClientWSTimeout(ws_close=min(1.0, timeout)),
-                )  # fmt: skip
-        except TimeoutError:
-            raise Stalled(f"no WebSocket upgrade for {timeout:g} s") from None
-        except aiohttp.WSServerHandshakeError as e:
-            if e.status == 429:  # too many sessions open there: another engine may have room
-                retry_after = e.headers.get("Retry-After") if e.headers else None
-                raise EngineFull(retry_after_s(retry_after), e.message) from e
-            if e.status >= 500 or e.status < 400:
-                raise EndpointUnavailable(e.status, e.message) from e
-            raise APIStatusError(f"Qwen3-TTS refused the text stream at {ep.url}: HTTP {e.status}",
-                                 status_code=e.status, body=e.message) from e  # fmt: skip
+            await self._receive(sock, sender)
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        finally:
+            # No await here: LiveKit cancels a closing stream's tasks twice (aio.cancel_and_wait
+            # after gather's cancel); what becomes of the socket happens in the pool's tasks.
+            clean = self._done and not self.report.ended_early and sender.done()
+            sender.cancel()
+            if clean or (cancelled and not self._started):  # nothing of this utterance is on it
+                self._sockets.put(sock)
+            elif cancelled and not self._done and sock.alive:  # barge-in: the engine stops it
+                self._sockets.cancel(sock, sender, bound=self._conn.timeout)
+            else:  # failed, or its state is unknown (the engine ended it before the text did)
+                self._sockets.discard(sock)
 
     async def _send(self, ws) -> None:
         """The start, the text so far in one append (all of it after a failover), each later
@@ -163,7 +167,12 @@ class SocketAttempt:
         self._ended = False
         report = self.report
         report.text = ""
-        await ws.send_json(self._start)
+        start = dict(self._start)
+        # The socket may have been opened by another utterance or by prewarm(): this
+        # utterance's trace context goes with its start (W3C traceparent, as on POST's headers).
+        propagate.inject(start)
+        self._started = True  # set first: a send cancelled midway has written its frame
+        await ws.send_json(start)
         async for batch in self._text.read():
             piece = "".join(batch)
             await ws.send_json({"type": MSG_TEXT_APPEND, "text": piece})
@@ -172,12 +181,14 @@ class SocketAttempt:
         await ws.send_json({"type": MSG_TEXT_END})
         self._ended = True
 
-    async def _receive(self, ws, sender: asyncio.Task) -> None:
-        report = self.report
+    async def _receive(self, sock: WarmSocket, sender: asyncio.Task) -> None:
+        ws, report = sock.ws, self.report
         received = 0  # audio bytes of this socket
         created = False
         while True:
-            if sender.done() and sender.exception() is not None:
+            if sender.done() and not sender.cancelled() and sender.exception() is not None:
+                if sock.reused and not created:
+                    raise _Stale(f"sending failed: {sender.exception()}")
                 raise SocketLost(f"sending failed: {sender.exception()}")
             # Bounded while the engine owes an answer: to the start, and after the text ended.
             # While text is open the engine may be silent for as long as the LLM is: the
@@ -190,11 +201,18 @@ class SocketAttempt:
                     f"no answer for {self._conn.timeout:g} s after {received} bytes"
                 ) from None
             if msg.type == aiohttp.WSMsgType.BINARY:
+                if not created:  # no audio comes before session.created: not this utterance's
+                    logger.warning("TTS socket to %s sent audio before session.created: ignored",
+                                   sock.url)  # fmt: skip
+                    continue
                 play_unheard(report, msg.data, received, self._t0, self._deliver)
                 received += len(msg.data)
                 if report.first_audio_before_end is None and report.first_audio_s is not None:
                     report.first_audio_before_end = not self._ended
                 continue
+            if msg.type != aiohttp.WSMsgType.TEXT and sock.reused and not created:
+                code = msg.data if msg.type == aiohttp.WSMsgType.CLOSE else ws.close_code
+                raise _Stale(f"{msg.type.name} (code {code}) before session.created")
             if msg.type == aiohttp.WSMsgType.ERROR:
                 if isinstance(msg.data, TimeoutError):  # no pong: the peer stalled
                     raise Stalled(f"the socket stalled after {received} bytes: {msg.data}")
@@ -208,6 +226,11 @@ class SocketAttempt:
                 logger.warning("the engine sent a text frame that is not JSON: %r", msg.data[:100])
                 continue
             kind = event.get("type") if isinstance(event, dict) else None
+            if not created and kind not in (EV_SESSION_CREATED, EV_ERROR):
+                # nothing of this utterance comes before session.created: a late event of an
+                # earlier utterance on this socket is never taken for one of this one
+                logger.info("TTS socket to %s: %r before session.created: ignored", sock.url, kind)
+                continue
             if kind == EV_SESSION_CREATED:
                 if why := rate_mismatch(
                     self._start.get("sample_rate", SAMPLE_RATE), event.get("sample_rate")
@@ -219,6 +242,7 @@ class SocketAttempt:
             elif kind == EV_FIRST_AUDIO and report.engine_first_audio_ms is None:
                 report.engine_first_audio_ms = event.get("ms")
             elif kind == EV_DONE:
+                self._done = True
                 # Before the text ended, only a frame cap ends an utterance (the model cannot
                 # end it before input_text.end): the caller decides what becomes of the rest.
                 report.ended_early = not self._ended

@@ -32,8 +32,8 @@ from livekit.agents.utils import is_given
 
 from . import failover
 from .clauses import FirstClauseTokenizer
-from .discovery import Resolver
 from .endpoints import EndpointPool, check_strategy
+from .fleet import Resolver
 from .http_sentence import HttpSentenceAttempt, SentenceReport
 from .log import logger
 from .models import (
@@ -55,6 +55,7 @@ from .protocol import (
     normalize_language,
 )
 from .segment_text import SegmentText, split_sentences
+from .socket_pool import SocketPool
 from .text_socket import NoTextStreaming, SocketAttempt, TextStreamReport
 
 _Piece = TypeVar("_Piece", str, SegmentText)  # what a segment is spoken in: sentences, utterances
@@ -215,7 +216,8 @@ class TTS(tts.TTS):
         passed over for its Retry-After without being marked down. Use
         `protocol="vllm-omni"` for a vLLM-Omni server (only its own fields are sent).
         `text_input` says how a stream's text reaches the engine: `"stream"` as the LLM writes it,
-        over the engine's streaming-text WebSocket (one socket per reply segment); `"sentences"`
+        over the engine's streaming-text WebSocket (one socket kept open from reply to reply, opened
+        by `prewarm()`: see docs/plugins.md); `"sentences"`
         as one HTTP request per sentence (below); `"auto"` streams where the engine's status says
         `streaming_text` (read once per endpoint) and sends sentences elsewhere (vLLM-Omni and
         older engines). `synthesize()` always makes one HTTP request.
@@ -265,6 +267,7 @@ class TTS(tts.TTS):
                                   load_interval=load_interval, resolve_interval=resolve_interval,
                                   resolver=resolver, headers=self._headers)  # fmt: skip
         self._ws_session: aiohttp.ClientSession | None = None  # made when first needed
+        self._sockets = SocketPool(self._ws_http, self._headers)
         self._tokenizer = tokenizer or tokenize.basic.SentenceTokenizer()
         self._streams: weakref.WeakSet[ChunkedStream | SynthesizeStream] = weakref.WeakSet()
         self._closed = False
@@ -280,6 +283,11 @@ class TTS(tts.TTS):
     @property
     def endpoints(self) -> EndpointPool:
         return self._pool
+
+    @property
+    def sockets(self) -> SocketPool:
+        """The warm streaming-text sockets (one per endpoint in use, kept between replies)."""
+        return self._sockets
 
     def update_options(
         self,
@@ -335,7 +343,12 @@ class TTS(tts.TTS):
         return stream
 
     def prewarm(self) -> None:
+        """Probe the endpoints, and open the streaming-text socket to the one a reply would go to
+        now (LiveKit's AgentSession calls this as the session starts): the first reply finds it
+        open."""
         self._pool.prewarm()
+        if not self._closed and self._opts.streams_text() is not False:
+            self._sockets.prewarm(self._pool, ask_engine=self._opts.streams_text() is None)
 
     async def aclose(self) -> None:
         """Close every stream still open (their requests and prefetches end), stop probing and
@@ -344,6 +357,7 @@ class TTS(tts.TTS):
             return
         self._closed = True
         await asyncio.gather(*(s.aclose() for s in list(self._streams)), return_exceptions=True)
+        await self._sockets.aclose()
         await self._pool.aclose()
         if self._ws_session is not None:
             await self._ws_session.close()
@@ -386,7 +400,7 @@ class TTS(tts.TTS):
         """A segment's `index`-th streamed utterance, with a seed of its own (for failover); the
         first may still fall back to sentences where its engine takes no streamed text."""
         seed = opts.seed if opts.seed is not None else random.randrange(2**31)
-        return SocketAttempt(pool=self._pool, session=self._ws_http(), headers=self._headers,
+        return SocketAttempt(pool=self._pool, sockets=self._sockets,
                              start=opts.stream_start(seed, index), text=text, report=report,
                              conn=conn, deliver=deliver, on_sent=on_sent,
                              ask_engine=opts.streams_text() is None, may_fall_back=index == 0)  # fmt: skip
