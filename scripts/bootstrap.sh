@@ -7,7 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-DEBIAN_PACKAGES=(espeak-ng sox libportaudio2 libopenblas0-pthread python3-venv haproxy)
+# iproute2: `ip netns` for the link bench's delay line (voice_agent/lab/delay_line.py)
+DEBIAN_PACKAGES=(espeak-ng sox libportaudio2 libopenblas0-pthread python3-venv haproxy iproute2)
 # On a Mac, Homebrew's espeak-ng and sox give the tests the speech they get on Linux; without
 # them the demo speaks with macOS's own `say`. sounddevice's macOS wheel bundles PortAudio, PyAV's
 # bundles FFmpeg: nothing else is needed from Homebrew.

@@ -111,10 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "suite",
         nargs="?",
-        choices=["soak", "fleet"],
+        choices=["soak", "fleet", "link"],
         help="soak: callers keep calling a "
         "real livekit-server (two workers, one engine) while faults are injected; fleet: "
-        "the TTS plugin's priority vs balanced strategy over engines pinned to cores",
+        "the TTS plugin's priority vs balanced strategy over engines pinned to cores; link: "
+        "first audio on a fresh vs a warm socket across an emulated link (root)",
     )
     b.add_argument("--turns", type=int, default=6, help="plain spoken questions per configuration")
     b.add_argument(
@@ -150,6 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--engine-max-batch", type=int, default=8, help="each engine's --max-batch")
     fleet.add_argument("--frames", type=int, default=24, help="max frames per utterance")
     fleet.add_argument("--engine-model", help="checkpoint (default: the tiny random one)")
+    fleet.add_argument(
+        "--runs", type=int, default=3, help="runs per configuration, each on a fresh fleet"
+    )
+    fleet.add_argument("--paths", default="sentences,stream",
+                       help="configurations: sentences (HTTP), stream (the default text_input)")  # fmt: skip
+    link = b.add_argument_group("link (`voice-agent bench link`; --engine-model too)")
+    link.add_argument("--rtt-ms", default="20,50", help="round-trip times of the delay line")
+    link.add_argument("--utterances", type=int, default=10, help="per RTT and socket kind")
     add_arguments(b)
     w = sub.add_parser("web", help="the browser client and its LiveKit token endpoint")
     add_arguments(w, WebSettings)
@@ -221,7 +230,19 @@ def _main(argv: list[str] | None = None) -> int:
         from voice_agent.lab.fleet_bench import run_fleet_bench  # CLI start-up time: the lab
 
         return run_fleet_bench(args.engine_model, args.engines, args.streams, args.gap,
-                               args.engine_max_batch, args.frames, args.out)  # fmt: skip
+                               args.engine_max_batch, args.frames, args.out, args.runs,
+                               tuple(p.strip() for p in args.paths.split(",") if p.strip()))  # fmt: skip
+    if args.command == "bench" and args.suite == "link":
+        from voice_agent.lab.link_bench import run_link_bench  # CLI start-up time: the lab
+
+        try:
+            rtts = [float(r) for r in args.rtt_ms.split(",") if r.strip()]
+        except ValueError:
+            print(
+                f"voice-agent: error: --rtt-ms takes numbers, not {args.rtt_ms!r}", file=sys.stderr
+            )
+            return 2
+        return run_link_bench(args.engine_model, rtts, args.utterances, args.out)
     # CLI start-up time: the harness (LiveKit's pipeline) and the services, for demo and bench only
     from voice_agent.harness.demo import TurnAudioError, run_demo
     from voice_agent.services import resolve_offline

@@ -1,7 +1,9 @@
-"""Smoke runs of the seven benchmark commands as a user runs them (real subprocesses, tiny
+"""Smoke runs of the benchmark commands as a user runs them (real subprocesses, tiny
 checkpoints, offline assets), with their smallest settings: the JSON has the fields the README
 documents and the measured numbers are positive. Speed numbers are not checked against targets;
 what a report derives from them (ratios, the goals' verdicts, counts) is checked against them.
+Every first-chunk time a bench reports has its first audible sample beside it (the chunk + the
+audio's leading silence, as Coval's TTS benchmark counts it), never before it.
 
 `qwen3-tts bench` runs one 4-frame request per measurement and 1 + 1 + 2 HTTP requests
 (`--frames 4 --clients 1,2 --repeats 1`); `qwen3-tts bench swap` loads each variant once for
@@ -50,6 +52,13 @@ def _summary(s: dict, what: str, n: int | None = None) -> None:
         assert s["n"] == n, (what, s["n"])
 
 
+def _audible(audible: dict, first: dict, what: str) -> None:
+    """A first-audible summary beside its first-audio one: the first chunk + leading silence, so
+    each of its order statistics is at least the first chunk's (the same requests)."""
+    _summary(audible, what, n=first["n"])
+    assert audible["p50"] >= first["p50"] and audible["p95"] >= first["p95"], (what, audible, first)
+
+
 def test_qwen3_tts_bench(tiny_checkpoint, tmp_path):
     model = str(tiny_checkpoint("custom_voice"))
     out = tmp_path / "bench.json"
@@ -77,6 +86,8 @@ def test_qwen3_tts_bench(tiny_checkpoint, tmp_path):
     assert report["frames_per_request"] == 4 and set(conc) == {"1", "2"}
     for clients, s in conc.items():
         _summary(s, f"concurrency {clients}", n=int(clients))
+        _audible(report["concurrency_first_audible_s"][clients], s, f"audible {clients}")
+    _audible(report["http_first_audible_s"], report["http_first_audio_s"], "http audible")
 
 
 def test_qwen3_tts_bench_spawn(tiny_checkpoint):
@@ -103,8 +114,27 @@ def test_qwen3_tts_bench_formats(tiny_checkpoint):
             f["first_byte_s"] / formats["pcm"]["first_byte_s"]
         )
         assert f["streamed"] == (fmt != "wav")
+        # + the decoded audio's leading silence (an encoder's delay included)
+        assert f["first_audible_s"] >= f["first_byte_s"], (fmt, f)
     for fmt in ("mp3", "opus", "aac", "flac"):
         _positive(formats[fmt]["encode_s_per_chunk"], f"{fmt}.encode_s_per_chunk")
+
+
+def test_qwen3_tts_bench_blas(tiny_checkpoint):
+    """`bench blas`, one repeat of 4 frames: three servers (a clean shell, OpenBLAS preloaded,
+    the reference BLAS), each one's first audio and first audible sample, and their ratios."""
+    model = str(tiny_checkpoint("custom_voice"))
+    report = _run("qwen3-tts", "bench", "blas", "--model", model, "--frames", "4", "--repeats", "1")
+    servers = {"clean", "ld_preload", "reference"}
+    assert set(report["first_audio_s"]) == set(report["first_audible_s"]) == servers
+    for name in servers:
+        first, audible = report["first_audio_s"][name], report["first_audible_s"][name]
+        assert len(first["all"]) == len(audible["all"]) == 1
+        _positive(first["p50"], f"{name} first audio")
+        assert audible["all"][0] >= first["all"][0], (name, first, audible)
+    p50 = {name: report["first_audio_s"][name]["p50"] for name in servers}
+    assert report["first_audio_p50_ratio"] == pytest.approx(p50["clean"] / p50["ld_preload"])
+    assert report["reference_over_clean_p50"] == pytest.approx(p50["reference"] / p50["clean"])
 
 
 def test_qwen3_tts_bench_swap(tiny_checkpoint, tmp_path):
@@ -119,6 +149,7 @@ def test_qwen3_tts_bench_swap(tiny_checkpoint, tmp_path):
     assert set(report["modes"]) == {"make-before-break", "break-before-make"}
     for mode, m in report["modes"].items():
         _positive(m["baseline_first_audio_s"], f"{mode} baseline")
+        assert m["baseline_first_audible_s"] >= m["baseline_first_audio_s"], mode
         for case in ("under_load", "idle"):
             c = m[case]
             # swap latency (decision -> new variant serving) against the plain load time
@@ -142,6 +173,7 @@ def test_qwen3_tts_bench_swap(tiny_checkpoint, tmp_path):
         for r in (flight, mid):
             assert r["complete"] and r["lost_chunks"] == 0 and r["error"] is None
             _positive(r["first_audio_s"], f"{mode} first audio")
+            assert r["first_audible_s"] >= r["first_audio_s"], (mode, r)
         _positive(flight["max_chunk_gap_s"], f"{mode} max chunk gap")
         assert math.isfinite(mid["extra_wait_s"])
     assert report["lost_chunks"] == 0 and report["truncated_or_failed_requests"] == 0
@@ -267,6 +299,10 @@ def test_voice_agent_bench(tmp_path):
     # TTS first audio while the LLM generates / idle
     _summary(report["tts_first_audio_idle_s"], "tts idle", n=1)
     _summary(report["tts_first_audio_llm_busy_s"], "tts busy", n=1)
+    _audible(report["tts_first_audible_idle_s"], report["tts_first_audio_idle_s"], "idle audible")
+    _audible(
+        report["tts_first_audible_llm_busy_s"], report["tts_first_audio_llm_busy_s"], "busy audible"
+    )
     _positive(report["llm_stream_lines_during_busy"], "llm lines")
     _positive(report["contention_ratio"], "contention_ratio")
     assert report["contention_ratio"] == pytest.approx(
@@ -305,6 +341,10 @@ def test_qwen3_tts_bench_concurrency(tiny_checkpoint):
             _summary(level["first_audio_s"], f"{path} {n} first_audio_s", n=2)
             _summary(level["rtf_per_stream"], f"{path} {n} rtf_per_stream", n=2)
             _positive(level["frames_per_s"], f"{path} {n} frames_per_s")
+            if path in ("full", "http"):  # audio: its first audible sample; the codes have none
+                _audible(level["first_audible_s"], level["first_audio_s"], f"{path} {n} audible")
+            else:
+                assert "first_audible_s" not in level
         assert report["ratios"][path]["1"] == {
             "first_audio_p95_ratio": 1.0,
             "frames_per_s_ratio": 1.0,
@@ -330,32 +370,61 @@ def test_qwen3_tts_bench_concurrency(tiny_checkpoint):
 
 
 def test_voice_agent_bench_fleet(tiny_checkpoint, tmp_path):
-    """Two engines pinned to cores, 3 streams per phase: priority keeps them all on the first
-    engine (nothing is full: its queue takes them), balanced uses both (the plugin's own count of
-    its streams, whatever the engines' speed), and the churn phase (first engine SIGKILLed, a third
-    added) loses no stream."""
+    """Two engines pinned to cores, 3 streams per phase, one run of each configuration (HTTP
+    sentences, and the plugin's default text input: streamed text over the socket): priority
+    keeps them all on the first engine (nothing is full: its queue takes them), balanced uses both
+    (the plugin's own count of its streams, whatever the engines' speed), and the churn phase
+    (first engine SIGKILLed, a third added) loses no stream. Slots come from each engine's
+    `/load` during and after the traffic; the spread over runs is each run's ratio."""
     out = tmp_path / "fleet.json"
     report = _run("voice-agent", "bench", "fleet", "--engines", "2", "--streams", "3", "--gap", "0",
-                  "--frames", "4", "--engine-max-batch", "2",
+                  "--frames", "4", "--engine-max-batch", "2", "--runs", "1",
                   "--engine-model", str(tiny_checkpoint("custom_voice")), "--out", str(out),
                   env={"HF_HUB_OFFLINE": "1"})  # fmt: skip
     assert json.loads(out.read_text()) == report
-    first, second = report["slots"]
-    assert 1 <= report["slots"][first] <= 2 and 1 <= report["slots"][second] <= 2
-    assert report["priority"]["per_engine"] == {first: 3, second: 0}
-    assert sorted(report["balanced"]["per_engine"].values()) == [1, 2]
-    for phase in ("priority", "balanced", "churn"):
-        s = report[phase]
-        assert s["lost"] == 0 and s["streams"] == 3, (phase, s)
-        assert sum(s["per_engine"].values()) == 3, (phase, s)
-        _positive(s["first_audio_p50_s"], f"{phase}.p50")
-        assert s["first_audio_p95_s"] >= s["first_audio_p50_s"]
-    for phase in ("priority", "balanced"):  # each engine's underrun counter over the phase
-        assert set(report[phase]["underruns"]) == {first, second}
-        assert all(isinstance(n, int) and n >= 0 for n in report[phase]["underruns"].values())
-    assert report["churn"]["killed"] == first and report["churn"]["added"] not in (first, second)
-    assert report["churn"]["underruns"][first] is None  # killed: no counter to read
-    _positive(report["balanced_over_priority_p95"], "ratio")
+    assert report["nproc"] == os.cpu_count() and len(report["loadavg_start"]) == 3
+    assert report["goal"] == {"balanced_over_priority_p95_max": 0.6, "lost": 0}
+    configs = report["configurations"]
+    assert set(configs) == {"sentences", "stream"}
+    assert configs["sentences"]["text_input"] == "sentences"
+    assert configs["stream"]["text_input"] == "default"
+    for name, c in configs.items():
+        (run,) = c["runs"]
+        first, second = run["priority"]["per_engine"]
+        assert run["priority"]["per_engine"] == {first: 3, second: 0}, name
+        assert sorted(run["balanced"]["per_engine"].values()) == [1, 2], name
+        for phase in ("priority", "balanced", "churn"):
+            s = run[phase]
+            assert s["lost"] == 0 and s["streams"] == 3, (name, phase, s)
+            assert sum(s["per_engine"].values()) == 3, (name, phase, s)
+            # the default text input streams where the engine takes it (this one does)
+            assert s["text_streamed"] == (3 if name == "stream" else 0), (name, phase, s)
+            _positive(s["first_audio_p50_s"], f"{name}.{phase}.p50")
+            assert s["first_audio_p95_s"] >= s["first_audio_p50_s"]
+            assert s["first_audible_p50_s"] >= s["first_audio_p50_s"], (name, phase, s)
+            assert s["first_audible_p95_s"] >= s["first_audio_p95_s"], (name, phase, s)
+        for phase in ("priority", "balanced"):  # /load over the phase: underruns, slots
+            s = run[phase]
+            assert set(s["underruns"]) == set(s["slots_after"]) == {first, second}
+            assert all(isinstance(n, int) and n >= 0 for n in s["underruns"].values())
+            for slots in (s["slots_after"], s["slots_max_during"]):  # measured, within max-batch
+                assert all(isinstance(n, int) and 1 <= n <= 2 for n in slots.values()), s
+        churn = run["churn"]
+        assert churn["killed"] == first and churn["added"] not in (first, second)
+        assert churn["underruns"][first] is None and churn["slots_after"][first] is None
+        assert run["offered_streams_at_once"] is None  # --gap 0: all at once
+        ratio = run["balanced_over_priority_p95"]
+        _positive(ratio, f"{name} ratio")
+        assert ratio == pytest.approx(
+            run["balanced"]["first_audio_p95_s"] / run["priority"]["first_audio_p95_s"]
+        )
+        assert c["balanced_over_priority_p95"] == {
+            "min": ratio,
+            "median": ratio,
+            "max": ratio,
+            "n": 1,
+        }
+        assert c["lost"] == 0 and c["goal_met_every_run"] == (ratio <= 0.6)
 
 
 def test_qwen3_tts_bench_first_chunk(tiny_checkpoint):
@@ -370,6 +439,7 @@ def test_qwen3_tts_bench_first_chunk(tiny_checkpoint):
             for key in ("first_audio_engine_s", "first_audio_from_llm_s", "compute_s"):
                 _positive(row[key], f"{mode}.{size}.{key}")
             assert row["first_audio_from_llm_s"] >= row["first_audio_engine_s"]
+            assert row["first_audible_engine_s"] >= row["first_audio_engine_s"]
             assert sum(row["chunk_frames"]) == row["frames"] > 0  # the cap is per sentence
             assert max(row["chunk_frames"]) <= 4 and row["chunk_frames"][0] <= int(size)
             # float rounding only: well under one int16 step at the joins and elsewhere

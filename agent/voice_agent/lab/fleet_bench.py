@@ -4,22 +4,35 @@ Engines (`qwen3-tts serve`) on 127.0.0.1, 127.0.0.2, ... at one port, each pinne
 core (`os.sched_setaffinity` in the child, which its worker processes inherit), so two engines
 stand in for two hosts; the plugin sees them as one name that resolves to their addresses (its
 discovery, with a resolver the bench controls). The engines keep their real frame budget: their
-slots are what each core keeps in real time.
+slots are what each core keeps in real time, as each engine measures its own steps.
 
+Two configurations, the text as an agent sends it (`tts.stream()`, one reply each): `sentences`
+(`text_input="sentences"`: one HTTP request per sentence, the first clause ahead) and `stream`
+(the plugin's default `text_input`, streamed text over the engine's WebSocket where the engine
+takes it). Each configuration runs `--runs` times on a fresh fleet, the configurations
+interleaved; each run has these phases:
+
+0. Solo: three replies one after another (priority): one reply's time in the fleet alone, S.
 1. `priority` vs `balanced` at the same offered load: M streams arriving one every `--gap` seconds
-   (the same schedule for both); per strategy: streams per engine, 429s met, first audio p50/p95
-   (from the request to the first chunk), streams lost (an error, or no audio).
+   (the same schedule for both); per strategy: streams per engine, 429s met, first audio and
+   first audible p50/p95 (from the request to the first chunk, and + the audio's leading silence,
+   as Coval's TTS benchmark counts it), streams lost (an error, or no audio); by Little's law, the
+   offered load in streams at once (S ÷ `--gap`) and what the balanced fleet held (its mean time
+   in the fleet ÷ `--gap`, queueing included).
 2. Churn (balanced): the same arrivals; the first engine is SIGKILLed once a third of the streams
    have started, and a new engine joins (its address appears to the resolver) once two thirds
    have; streams lost must be 0 (the plugin fails over mid-utterance).
 
-Each phase also reports each engine's underruns during it (its `/load` counter: chunks ready
-after a listener who started at first audio needed them; None for an engine that is gone).
+Each phase also reports each engine's underruns during it and its `slots`, polled from `/load`
+during the traffic (the most seen) and read after it (None for an engine that is gone). Per
+configuration: the spread (min / median / max) of balanced ÷ priority first-audio p95 over the
+runs, against the goal (<= 0.6 in every run, 0 lost).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -35,9 +48,14 @@ import httpx
 from livekit.agents import APIConnectOptions
 from livekit.plugins import qwen3_tts
 
+from qwen3_tts_engine.audio import leading_silence_s
+
 TEXT = "Thanks for calling, how can I help you today?"
 PATIENT = APIConnectOptions(max_retry=0, timeout=120.0)
 PIN = "import os, sys; os.sched_setaffinity(0, {int(sys.argv[1])}); os.execv(sys.argv[2], sys.argv[2:])"
+PATHS = {"sentences": "sentences", "stream": None}  # configuration -> text_input (None: default)
+GOAL_RATIO = 0.6  # balanced ÷ priority first-audio p95, in every run
+POLL_S = 0.25  # how often `/load` is read during a phase
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -93,27 +111,36 @@ class Engine:
 
 
 async def _one(tts: qwen3_tts.TTS, started: asyncio.Event) -> dict:
+    """One reply through `tts.stream()`: its text pushed at once, as an LLM that is ahead."""
     t0 = time.perf_counter()
-    stream = tts.synthesize(TEXT, conn_options=PATIENT)
-    first, samples = None, 0
+    stream = tts.stream(conn_options=PATIENT)
+    stream.push_text(TEXT)
+    stream.end_input()
+    first, pcm, rate = None, bytearray(), qwen3_tts.SAMPLE_RATE
     try:
         async for ev in stream:
             started.set()
             if first is None:
                 first = time.perf_counter() - t0
-            samples += len(ev.frame.data)
+            pcm += bytes(ev.frame.data)
+            rate = ev.frame.sample_rate
     except Exception as e:  # a lost stream: reported, not raised
         return {"lost": f"{type(e).__name__}: {e}"}
     finally:
         started.set()
         await stream.aclose()
-    report = stream.report
-    return {"first_audio_s": first, "samples": samples, "engine": report.endpoints[-1],
-            "endpoints": report.endpoints, "full": report.full, "lost": None if samples else "no audio"}  # fmt: skip
+    total = time.perf_counter() - t0
+    reports = stream.text_streams or stream.sentences  # the path its text took
+    if not pcm or not reports:
+        return {"lost": "no audio"}
+    return {"first_audio_s": first, "first_audible_s": first + leading_silence_s(bytes(pcm), rate),
+            "total_s": total, "samples": len(pcm) // 2, "text_streamed": bool(stream.text_streams),
+            "engine": reports[0].endpoints[-1],  # the engine that finished its first request
+            "requests": [{"endpoints": r.endpoints, "full": r.full} for r in reports], "lost": None}  # fmt: skip
 
 
 async def _run(tts: qwen3_tts.TTS, streams: int, gap: float, events=None) -> list[dict]:
-    """`streams` syntheses, one every `gap` seconds; `events[i]` runs once stream i has audio."""
+    """`streams` replies, one every `gap` seconds; `events[i]` runs once stream i has audio."""
     tasks = []
     for i in range(streams):
         started = asyncio.Event()
@@ -125,43 +152,88 @@ async def _run(tts: qwen3_tts.TTS, streams: int, gap: float, events=None) -> lis
     return list(await asyncio.gather(*tasks))
 
 
-async def _underruns(urls: list[str]) -> dict[str, int | None]:
-    """Each engine's underrun counter (`GET /load`); None for one that does not answer."""
-    out: dict[str, int | None] = {}
-    async with httpx.AsyncClient(timeout=30) as c:
-        for u in urls:
-            try:
-                out[u] = int((await c.get(f"{u}/load")).json()["underruns"])
-            except (httpx.HTTPError, KeyError, ValueError):
-                out[u] = None
-    return out
+async def _loads(client: httpx.AsyncClient, urls: list[str]) -> dict[str, dict | None]:
+    """Each engine's `GET /load`; None for one that does not answer."""
+
+    async def one(u: str) -> dict | None:
+        try:
+            return (await client.get(f"{u}/load")).raise_for_status().json()
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    return dict(zip(urls, await asyncio.gather(*(one(u) for u in urls)), strict=True))
 
 
-def _delta(before: dict, after: dict) -> dict:
-    return {u: None if after.get(u) is None else after[u] - (before.get(u) or 0) for u in after}
+class LoadWatch:
+    """`/load` of the engines around one phase: underruns over it, slots during and after."""
+
+    def __init__(self, client: httpx.AsyncClient, urls) -> None:
+        self.client, self.urls = client, urls  # urls(): the engines now
+        self.before: dict[str, dict | None] = {}
+        self.slots_max: dict[str, int] = {}
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def __aenter__(self) -> LoadWatch:
+        self.before = await _loads(self.client, self.urls())
+        self._task = asyncio.create_task(self._poll())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+
+    async def _poll(self) -> None:
+        while not self._stop.is_set():
+            for u, load in (await _loads(self.client, self.urls())).items():
+                if load is not None and "slots" in load:
+                    self.slots_max[u] = max(self.slots_max.get(u, 0), int(load["slots"]))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), POLL_S)
+
+    async def report(self, urls: list[str]) -> dict:
+        """After the traffic: each engine's slots now, the most seen during it, its underruns."""
+        after = await _loads(self.client, urls)
+
+        def underruns(u: str) -> int | None:
+            if after[u] is None:
+                return None
+            return int(after[u]["underruns"]) - int((self.before.get(u) or {}).get("underruns", 0))
+
+        return {"slots_after": {u: None if a is None else a["slots"] for u, a in after.items()},
+                "slots_max_during": {u: self.slots_max.get(u) for u in urls},
+                "underruns": {u: underruns(u) for u in urls}}  # fmt: skip
 
 
 def _summary(results: list[dict], urls: list[str]) -> dict:
     ok = [r for r in results if not r["lost"]]
     firsts = [r["first_audio_s"] for r in ok]
+    audible = [r["first_audible_s"] for r in ok]
+    requests = [q for r in ok for q in r["requests"]]
     per_engine = Counter(r["engine"] for r in ok)
     fair = len(ok) / max(1, len(urls))
     return {"streams": len(results), "lost": len(results) - len(ok),
             "lost_errors": sorted({r["lost"] for r in results if r["lost"]}),
+            "text_streamed": sum(r["text_streamed"] for r in ok),
             "per_engine": {u: per_engine.get(u, 0) for u in urls},
             "share_off_fair_max": max(abs(per_engine.get(u, 0) - fair) / fair for u in urls) if fair else None,
-            "rejections_429": sum(len(r["full"]) for r in ok),
-            "failovers": sum(len(r["endpoints"]) - 1 - len(r["full"]) for r in ok),
+            "rejections_429": sum(len(q["full"]) for q in requests),
+            "failovers": sum(len(q["endpoints"]) - 1 - len(q["full"]) for q in requests),
             "first_audio_p50_s": statistics.median(firsts) if firsts else None,
-            "first_audio_p95_s": _pct(firsts, 0.95)}  # fmt: skip
+            "first_audio_p95_s": _pct(firsts, 0.95),
+            "first_audible_p50_s": statistics.median(audible) if audible else None,
+            "first_audible_p95_s": _pct(audible, 0.95),
+            "mean_time_in_fleet_s": statistics.fmean(r["total_s"] for r in ok) if ok else None,
+            "audio_s_p50": statistics.median(r["samples"] for r in ok) / qwen3_tts.SAMPLE_RATE if ok else None}  # fmt: skip
 
 
-async def fleet_bench(model: str, engines: int, streams: int, gap: float, max_batch: int,
-                      frames: int) -> dict:  # fmt: skip
+async def fleet_run(model: str, text_input: str | None, engines: int, streams: int, gap: float,
+                    max_batch: int, frames: int) -> dict:  # fmt: skip
+    """One run on a fresh fleet: priority, balanced, then churn."""
     port = _free_port()
     cores = sorted(os.sched_getaffinity(0))
-    addresses = [f"127.0.0.{i + 1}" for i in range(engines)]
-    live = list(addresses)
+    live = [f"127.0.0.{i + 1}" for i in range(engines)]
     running: list[Engine] = []
 
     async def resolver(host: str, p: int) -> list[str]:
@@ -173,51 +245,110 @@ async def fleet_bench(model: str, engines: int, streams: int, gap: float, max_ba
         return e
 
     def tts(strategy: str) -> qwen3_tts.TTS:
+        options = {} if text_input is None else {"text_input": text_input}
         return qwen3_tts.TTS(base_url=f"http://tts-fleet.bench:{port}", strategy=strategy,
                              voice="ryan", language="en", max_new_tokens=frames, timeout=120.0,
-                             resolver=resolver, resolve_interval=0.2)  # fmt: skip
+                             resolver=resolver, resolve_interval=0.2, **options)  # fmt: skip
 
-    out: dict = {"engines": engines, "streams": streams, "gap_s": gap, "max_batch": max_batch,
-                 "frames": frames, "cores": [cores[i % len(cores)] for i in range(engines)]}  # fmt: skip
+    def urls() -> list[str]:
+        return [e.url for e in running if e.address in live]
+
+    out: dict = {"loadavg_start": [round(x, 2) for x in os.getloadavg()]}
     try:
         await asyncio.gather(*(start(i).ready() for i in range(engines)))
-        urls = [e.url for e in running]
-        async with httpx.AsyncClient() as c:
-            out["slots"] = {u: (await c.get(f"{u}/load")).json()["slots"] for u in urls}
-        for strategy in ("priority", "balanced"):
-            t = tts(strategy)
+        fleet = [e.url for e in running]
+        async with httpx.AsyncClient(timeout=30) as client:
+            # one reply's time in the fleet alone (3, one after another): the offered load below
+            t = tts("priority")
             try:
-                before = await _underruns(urls)
-                out[strategy] = _summary(await _run(t, streams, gap), urls)
-                out[strategy]["underruns"] = _delta(before, await _underruns(urls))
+                solo = [(await _run(t, 1, 0.0))[0] for _ in range(3)]
             finally:
                 await t.aclose()
-        p, b = out["priority"]["first_audio_p95_s"], out["balanced"]["first_audio_p95_s"]
-        out["balanced_over_priority_p95"] = b / p if p and b else None
+            out["solo"] = _summary(solo, fleet)
+            for strategy in ("priority", "balanced"):
+                t = tts(strategy)
+                try:
+                    async with LoadWatch(client, urls) as watch:
+                        results = await _run(t, streams, gap)
+                finally:
+                    await t.aclose()
+                out[strategy] = {**_summary(results, fleet), **await watch.report(fleet)}
+            p, b = out["priority"]["first_audio_p95_s"], out["balanced"]["first_audio_p95_s"]
+            out["balanced_over_priority_p95"] = b / p if p and b else None
+            # Little's law (streams at once = arrival rate x time in the fleet): offered, by one
+            # reply's time alone; held by the balanced fleet, queueing included
+            solo_s, w = out["solo"]["mean_time_in_fleet_s"], out["balanced"]["mean_time_in_fleet_s"]
+            out["offered_streams_at_once"] = (
+                solo_s / gap if solo_s is not None and gap > 0 else None
+            )
+            out["balanced_streams_at_once"] = w / gap if w is not None and gap > 0 else None
+            # the goal's load: past one engine's slots (after the traffic), within the fleet's
+            slots = [n for n in out["balanced"]["slots_after"].values() if n is not None]
+            offered = out["offered_streams_at_once"]
+            out["past_one_engine_within_all"] = (
+                None if offered is None or not slots else max(slots) < offered <= sum(slots)
+            )
 
-        # churn: kill the first engine a third in, add one two thirds in
-        async def kill() -> None:
-            live.remove(running[0].address)
-            await asyncio.to_thread(running[0].kill)
+            # churn: kill the first engine a third in, add one two thirds in
+            async def kill() -> None:
+                live.remove(running[0].address)
+                await asyncio.to_thread(running[0].kill)
 
-        async def add() -> None:
-            e = start(engines)
-            await e.ready()
-            live.append(e.address)
+            async def add() -> None:
+                e = start(engines)
+                await e.ready()
+                live.append(e.address)
 
-        t = tts("balanced")
-        try:
-            before = await _underruns(urls)
-            results = await _run(t, streams, gap, {streams // 3: kill, 2 * streams // 3: add})
-        finally:
-            await t.aclose()
-        out["churn"] = {**_summary(results, [e.url for e in running]),
-                        "killed": running[0].url, "added": running[-1].url,
-                        "underruns": _delta(before, await _underruns([e.url for e in running]))}  # fmt: skip
+            t = tts("balanced")
+            try:
+                async with LoadWatch(client, urls) as watch:
+                    results = await _run(
+                        t, streams, gap, {streams // 3: kill, 2 * streams // 3: add}
+                    )
+            finally:
+                await t.aclose()
+            every = [e.url for e in running]
+            out["churn"] = {**_summary(results, every), "killed": running[0].url,
+                            "added": running[-1].url, **await watch.report(every)}  # fmt: skip
         return out
     finally:
         for e in running:
             e.stop()
+
+
+def _spread(xs: list[float | None]) -> dict | None:
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None
+    return {"min": min(xs), "median": statistics.median(xs), "max": max(xs), "n": len(xs)}
+
+
+async def fleet_bench(model: str, engines: int, streams: int, gap: float, max_batch: int,
+                      frames: int, runs: int = 3, paths: tuple[str, ...] = tuple(PATHS)) -> dict:  # fmt: skip
+    cores = sorted(os.sched_getaffinity(0))
+    out: dict = {"engines": engines, "streams": streams, "gap_s": gap, "max_batch": max_batch,
+                 "frames": frames, "runs": runs, "cores": [cores[i % len(cores)] for i in range(engines)],
+                 "nproc": os.cpu_count(), "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+                 "goal": {"balanced_over_priority_p95_max": GOAL_RATIO, "lost": 0},
+                 "configurations": {p: {"text_input": PATHS[p] or "default", "runs": []} for p in paths}}  # fmt: skip
+    for r in range(runs):  # interleaved: the machine's other load weighs on both alike
+        for p in paths:
+            print(f"  fleet: {p}, run {r + 1} of {runs}", file=sys.stderr, flush=True)
+            out["configurations"][p]["runs"].append(
+                await fleet_run(model, PATHS[p], engines, streams, gap, max_batch, frames)
+            )
+    for c in out["configurations"].values():
+        ratios = [run["balanced_over_priority_p95"] for run in c["runs"]]
+        c["balanced_over_priority_p95"] = _spread(ratios)
+        for key in ("offered_streams_at_once", "balanced_streams_at_once"):
+            c[key] = _spread([run[key] for run in c["runs"]])
+        c["lost"] = sum(
+            run[ph]["lost"] for run in c["runs"] for ph in ("solo", "priority", "balanced", "churn")
+        )
+        c["goal_met_every_run"] = c["lost"] == 0 and all(
+            x is not None and x <= GOAL_RATIO for x in ratios
+        )
+    return out
 
 
 def _free_port() -> int:
@@ -227,20 +358,23 @@ def _free_port() -> int:
 
 
 def run_fleet_bench(model: str | None, engines: int, streams: int, gap: float, max_batch: int,
-                    frames: int, out: Path | None) -> int:  # fmt: skip
-    if engines < 1 or streams < 3 or gap < 0 or max_batch < 1 or frames < 1:
+                    frames: int, out: Path | None, runs: int = 3,
+                    paths: tuple[str, ...] = tuple(PATHS)) -> int:  # fmt: skip
+    if engines < 1 or streams < 3 or gap < 0 or max_batch < 1 or frames < 1 or runs < 1:
         print("voice-agent: error: bench fleet needs --engines >= 1, --streams >= 3, --gap >= 0, "
-              "--max-batch >= 1, --frames >= 1", file=sys.stderr)  # fmt: skip
+              "--max-batch >= 1, --frames >= 1, --runs >= 1", file=sys.stderr)  # fmt: skip
+        return 2
+    if not paths or set(paths) - set(PATHS):
+        print(f"voice-agent: error: --paths takes {', '.join(PATHS)}", file=sys.stderr)
         return 2
     if model is None:
         from qwen3_tts_engine.tiny_checkpoints import default_tiny_checkpoint
 
         model = str(default_tiny_checkpoint())
-    result = asyncio.run(fleet_bench(model, engines, streams, gap, max_batch, frames))
+    result = asyncio.run(fleet_bench(model, engines, streams, gap, max_batch, frames, runs, paths))
     text = json.dumps(result, indent=2)
     print(text)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
-    lost = result["priority"]["lost"] + result["balanced"]["lost"] + result["churn"]["lost"]
-    return 1 if lost else 0
+    return 1 if any(c["lost"] for c in result["configurations"].values()) else 0

@@ -9,7 +9,9 @@ Per concurrency level (all streams start together, different texts and seeds):
 The codes path also says whether batching changed any stream's codes (the same seeded requests
 batched and one by one: streams whose codes differ, and the first frame where they do) and how
 much mlx memory each extra stream adds at the peak (talker KV, activations, vocoder state).
-Each level reports first audio p50/p95, per-stream real-time factor (wall time / audio
+Each level reports first audio p50/p95 (the first chunk's arrival) and, where there is audio
+(the full and HTTP paths), first audible p50/p95 (the first chunk + the audio's leading silence,
+`audio.leading_silence_s`, as Coval's TTS benchmark counts it), per-stream real-time factor (wall time / audio
 duration) and aggregate frames per second; `realtime_slots`, the streams one engine keeps in real
 time by the server's measured steps (what `serve`'s frame budget admits: sizing a fleet); `ratios` divides each level by the 1-stream level of
 the same path in the same run (compare ratios, not seconds: the machines are shared).
@@ -28,12 +30,13 @@ import httpx
 import mlx.core as mx
 import numpy as np
 
+from qwen3_tts_engine.audio import leading_silence_s
 from qwen3_tts_engine.bench.memory import real_size_dir, write_real_size_checkpoint
 from qwen3_tts_engine.config import EngineConfig, build_server
 from qwen3_tts_engine.dispatch.capacity import FRAME_S, StepModel
 from qwen3_tts_engine.models.checkpoints import cache_root
 from qwen3_tts_engine.models.variants import resolve
-from qwen3_tts_engine.protocol import FRAME_RATE, SpeechRequest, compute_dtype_option
+from qwen3_tts_engine.protocol import FRAME_RATE, SAMPLE_RATE, SpeechRequest, compute_dtype_option
 from qwen3_tts_engine.serving.app import ServerConfig
 from qwen3_tts_engine.tiny_checkpoints.builder import write_tiny_checkpoint
 from qwen3_tts_engine.worker.loading import load, resolve_compute_dtype
@@ -80,6 +83,7 @@ def _level(model, reqs: list[SpeechRequest], *, batch: int, decode: bool) -> dic
     end: dict[str, float] = {}
     frames: dict[str, int] = {}
     codes: dict[str, list] = {}
+    audio: dict[str, list] = {}  # decoded chunks: the first audible sample
     while len(end) < len(reqs):
         for ev in scheduler.step():
             now = time.perf_counter() - t0
@@ -90,11 +94,14 @@ def _level(model, reqs: list[SpeechRequest], *, batch: int, decode: bool) -> dic
                 frames[ev.stream.id] = frames.get(ev.stream.id, 0) + ev.chunk.frames
                 if ev.chunk.codes is not None:
                     codes.setdefault(ev.stream.id, []).append(ev.chunk.codes)
+                if decode and ev.chunk.audio is not None:
+                    audio.setdefault(ev.stream.id, []).append(ev.chunk.audio)
             else:
                 end[ev.stream.id] = now
     wall = max(end.values())
     return {
         "first": list(first.values()),
+        "audible": [first[k] + leading_silence_s(np.concatenate(v).reshape(-1)) for k, v in audio.items()],
         "rtf": [end[k] / (frames[k] / FRAME_RATE) for k in end],
         "frames_per_s": sum(frames.values()) / wall,
         "step_s": list(scheduler.step_s), "codes_s": list(scheduler.codes_s),
@@ -126,6 +133,9 @@ def _collect(runs: list[dict]) -> dict:
         "rtf_per_stream": _summary([x for r in runs for x in r["rtf"]]),
         "frames_per_s": round(statistics.median(r["frames_per_s"] for r in runs), 3),
     }
+    audible = [x for r in runs for x in r.get("audible", [])]
+    if audible:  # none on the codes paths: no audio
+        out["first_audible_s"] = _summary(audible)
     if "peak_bytes" in runs[0]:
         out["mlx_peak_bytes"] = max(r["peak_bytes"] for r in runs)
     steps = [x for r in runs for x in r.get("step_s", [])]
@@ -189,14 +199,16 @@ def _in_process(model_path: str, levels: list[int], frames: int, repeats: int,
 
 
 async def _http_stream(client: httpx.AsyncClient, url: str, body: dict, t0: float) -> tuple:
+    """First chunk, end, seconds of audio, first audible sample (all from `t0`)."""
     first = None
-    size = 0
+    pcm = bytearray()
     async with client.stream("POST", url, json=body) as r:
         r.raise_for_status()
         async for data in r.aiter_raw():
             first = first if first is not None else time.perf_counter() - t0
-            size += len(data)
-    return first, time.perf_counter() - t0, size // 2 / 24000
+            pcm += data
+    audible = first + leading_silence_s(bytes(pcm[: len(pcm) // 2 * 2]), SAMPLE_RATE)
+    return first, time.perf_counter() - t0, len(pcm) // 2 / SAMPLE_RATE, audible
 
 
 async def _http(model_path: str, levels: list[int], frames: int, repeats: int,
@@ -223,10 +235,11 @@ async def _http(model_path: str, levels: list[int], frames: int, repeats: int,
                                                        "response_format": "pcm"}, t0)
                             for req in _requests(n, frames, voice, r + repeats * extra)
                         ))  # fmt: skip
-                        wall = max(end for _, end, _ in results)
-                        runs[n].append({"first": [f for f, _, _ in results],
-                                        "rtf": [end / secs for _, end, secs in results],
-                                        "frames_per_s": sum(secs for _, _, secs in results) * FRAME_RATE / wall})  # fmt: skip
+                        wall = max(end for _, end, _, _ in results)
+                        runs[n].append({"first": [f for f, _, _, _ in results],
+                                        "audible": [a for _, _, _, a in results],
+                                        "rtf": [end / secs for _, end, secs, _ in results],
+                                        "frames_per_s": sum(secs for _, _, secs, _ in results) * FRAME_RATE / wall})  # fmt: skip
                     steps[n] = {k: server.engine.active.batching.get(k)  # the server's recent steps
                                 for k in ("step_s_p50", "step_s_p95", "batch_occupancy")}  # fmt: skip
         compute = server.engine.active.info.get("compute_dtype")  # as the worker loaded it

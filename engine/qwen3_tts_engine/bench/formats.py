@@ -1,7 +1,9 @@
 """`qwen3-tts bench formats`: what each OpenAI response format costs over PCM.
 
 Per format: time to the first response byte of a streamed request (`stream_format: "audio"`;
-WAV comes whole) and its ratio to `pcm`'s in the same run; the encoder's cost per 320 ms chunk
+WAV comes whole) and its ratio to `pcm`'s in the same run; the first audible sample (the first
+byte + the leading silence of the response's audio as ffmpeg decodes it, encoder delay included:
+`audio.leading_silence_s`, as Coval's TTS benchmark counts it); the encoder's cost per 320 ms chunk
 on that audio, and that cost as a share of the chunk's 320 ms (pcm costs nothing to encode).
 JSON on stdout."""
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import statistics
 import sys
@@ -16,8 +19,9 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 
-from qwen3_tts_engine.audio import AudioEncoder, encode_whole
+from qwen3_tts_engine.audio import AudioEncoder, encode_whole, leading_silence_s
 from qwen3_tts_engine.config import EngineConfig, build_server
 from qwen3_tts_engine.protocol import CHUNK_FRAMES, CONTENT_TYPES, FRAME_SAMPLES, STREAMED_FORMATS
 from qwen3_tts_engine.serving.app import ServerConfig
@@ -35,6 +39,18 @@ async def _first_byte(client: httpx.AsyncClient, url: str, body: dict) -> tuple[
             first = first if first is not None else time.perf_counter() - t0
             data += part
     return first, bytes(data)
+
+
+def _leading_silence(data: bytes, fmt: str) -> float:
+    """Seconds before the first audible sample of a response body, decoded as a player would."""
+    if fmt == "pcm":
+        return leading_silence_s(data[: len(data) // 2 * 2])
+    import av  # ffmpeg's decoders, as the encoders (audio.AudioEncoder)
+
+    with av.open(io.BytesIO(data)) as container:
+        rate = container.streams.audio[0].sample_rate
+        samples = [f.to_ndarray().reshape(-1) for f in container.decode(audio=0)]  # mono
+    return leading_silence_s(np.concatenate(samples), rate) if samples else 0.0
 
 
 def _encode_costs(pcm: bytes, fmt: str) -> list[float]:
@@ -65,16 +81,19 @@ async def _measure(model: str, frames: int, repeats: int) -> dict:
                                                      "response_format": "pcm"})  # fmt: skip
             for fmt in CONTENT_TYPES:
                 print(f"  {fmt}", file=sys.stderr)
-                firsts = []
+                firsts, audible = [], []
                 for i in range(repeats):
                     body = {"input": TEXT, "voice": voice, "seed": i, "max_new_tokens": frames,
                             "response_format": fmt}  # fmt: skip
                     if fmt in STREAMED_FORMATS:
                         body["stream_format"] = "audio"
-                    firsts.append((await _first_byte(client, url, body))[0])
+                    first, data = await _first_byte(client, url, body)
+                    firsts.append(first)
+                    audible.append(first + _leading_silence(data, fmt))
                 costs = [c for _ in range(repeats) for c in _encode_costs(pcm, fmt)]
                 out[fmt] = {"streamed": fmt in STREAMED_FORMATS,
                             "first_byte_s": statistics.median(firsts),
+                            "first_audible_s": statistics.median(audible),
                             "encode_s_per_chunk": statistics.median(costs)}  # fmt: skip
     finally:
         await server.stop()

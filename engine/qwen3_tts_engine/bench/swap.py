@@ -5,7 +5,8 @@ time, idle and while an utterance streams; the wait of a request that arrives mi
 in-flight stream's chunks (none lost or cut; their p95 interval against the same utterance with
 no swap, in the comparison); worker memory before, at the peak, and after. `python -m` this
 module compares make before break under load with the new worker at the old one's CPU priority
-and at the governor's lower one (Governor.loading_nice), repeated.
+and at the governor's lower one (Governor.loading_nice), repeated. Each request's first audio (the
+first chunk) comes with its first audible sample (+ the audio's leading silence).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from qwen3_tts_engine.audio import leading_silence_s
 from qwen3_tts_engine.config import EngineConfig, GovernorConfig, build_server
 from qwen3_tts_engine.dispatch.engine import Engine
 from qwen3_tts_engine.dispatch.handler import Handler
@@ -54,6 +56,7 @@ class _Stream:
         self.t0 = time.perf_counter()
         self.times: list[float] = []
         self.bytes = 0
+        self.pcm = bytearray()
         self.variant: str | None = None
         self.error: str | None = None
         self.first = asyncio.Event()
@@ -68,6 +71,7 @@ class _Stream:
                     self.error = f"HTTP {r.status_code}"
                 async for data in r.aiter_raw():
                     self.bytes += len(data)
+                    self.pcm += data
                     self.times.append(time.perf_counter())
                     self.first.set()
         except httpx.HTTPError as e:
@@ -78,6 +82,13 @@ class _Stream:
     def first_audio_s(self) -> float | None:
         return self.times[0] - self.t0 if self.times else None
 
+    @property
+    def first_audible_s(self) -> float | None:
+        """The first chunk + the audio's leading silence (`audio.leading_silence_s`)."""
+        if not self.times:
+            return None
+        return self.first_audio_s + leading_silence_s(bytes(self.pcm[: len(self.pcm) // 2 * 2]))
+
     def report(self) -> dict:
         expected = self.frames * FRAME_SAMPLES * 2
         chunk = CHUNK_FRAMES * FRAME_SAMPLES * 2
@@ -85,7 +96,7 @@ class _Stream:
         return {"variant": self.variant, "error": self.error, "bytes": self.bytes,
                 "complete": self.bytes == expected and self.error is None,
                 "lost_chunks": max(0, -(-(expected - self.bytes) // chunk)),
-                "first_audio_s": self.first_audio_s,
+                "first_audio_s": self.first_audio_s, "first_audible_s": self.first_audible_s,
                 "max_chunk_gap_s": max(gaps) if gaps else None,
                 "p95_chunk_gap_s": _p95(gaps),
                 "median_chunk_gap_s": statistics.median(gaps) if gaps else None,
@@ -201,7 +212,8 @@ async def _mode(model: str, mode: str, plain: dict[str, float], loading_nice: in
         rec, peak = await _swap(gov, "bf16", mode)
         idle = {**_timing(rec, plain["bf16"]), "memory_mb": _memory_mb(rec, peak)}
         return {"loading_nice": loading_nice if mode == MAKE_BEFORE_BREAK else None,
-                "baseline_first_audio_s": baseline.first_audio_s, "under_load": loaded,
+                "baseline_first_audio_s": baseline.first_audio_s,
+                "baseline_first_audible_s": baseline.first_audible_s, "under_load": loaded,
                 "idle": idle, "requests": [baseline.report(), streaming, mid_report,
                                            *([idle_gaps] if idle_gaps else [])]}  # fmt: skip
     finally:

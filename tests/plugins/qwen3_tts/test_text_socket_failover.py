@@ -8,7 +8,10 @@ the real engine does (its equivalence tests); it fails on demand: a socket close
 first audio, an error event (503 or 400), a connection cut mid-audio, a peer that stops
 reading (no pong) while the text is still open, a full engine (429 at the upgrade, or an
 `engine_full` error event), or an utterance ended while its text is open (as a frame cap ends
-one). The real engine's socket: test_text_stream.py.
+one). As the engine does, it keeps a socket open after `response.done` for the next
+`session.start`, and answers `response.cancel` with `response.done` (`"cancelled": true`);
+`close_after_done` makes it an older engine that closes the socket after each utterance. The real
+engine's socket: test_text_stream.py and test_warm_socket.py.
 """
 
 from __future__ import annotations
@@ -51,8 +54,12 @@ class FaultSocketEngine:
         # close | error503 | error400 | cut | stall | full | full_upgrade | done_early
         self.fault: str | None = None
         self.cut_after = 2 * len(word_pcm(0, "x", 0)) + 1001  # audio bytes before a cut: odd
-        self.sessions: list[dict] = []  # per socket: start message, text, ended, closed
+        # per utterance: start message, text, ended, cancelled, open (its socket)
+        self.sessions: list[dict] = []
+        self.sockets = 0  # upgrades accepted
+        self.close_after_done = False  # an older engine: one utterance per socket
         self.refused = 0  # upgrades answered 429
+        self.open: set[web.WebSocketResponse] = set()
         self.ended_early = asyncio.Event()  # set when a `done_early` utterance has ended
         self.port = free_port()
         self._release = asyncio.Event()  # frees stalled handlers at stop
@@ -88,20 +95,33 @@ class FaultSocketEngine:
                                      status=429, headers={"Retry-After": "9"})  # fmt: skip
         ws = web.WebSocketResponse(protocols=(SPEECH_STREAM_SUBPROTOCOL,))
         await ws.prepare(request)
-        session = {"start": None, "text": "", "ended": False, "open": True}
-        self.sessions.append(session)
+        self.sockets += 1
+        self.open.add(ws)
+        mine: list[dict] = []  # this socket's utterances
         try:
-            return await self._speak(request, ws, session)
+            return await self._speak(request, ws, mine)
         finally:  # also when the client's close cancels this handler
-            session["open"] = False
+            self.open.discard(ws)
+            for session in mine:
+                session["open"] = False
 
-    async def _speak(self, request: web.Request, ws: web.WebSocketResponse, session: dict):
+    async def close_sockets(self) -> None:
+        """Close every open socket, as the engine's keepalive closes an idle one (1000)."""
+        for ws in list(self.open):
+            await ws.close()
+
+    async def _speak(self, request: web.Request, ws: web.WebSocketResponse, mine: list[dict]):
+        session: dict = {}
         spoken, sent = 0, 0
         async for msg in ws:
             event = json.loads(msg.data)
             kind = event["type"]
             if kind == "session.start":
-                session["start"] = event
+                session = {"start": event, "text": "", "ended": False, "cancelled": False,
+                           "open": True}  # fmt: skip
+                self.sessions.append(session)
+                mine.append(session)
+                spoken, sent = 0, 0
                 if self.fault in ("error503", "error400"):
                     status = int(self.fault[-3:])
                     await ws.send_json({"type": "error", "status": status, "error": {
@@ -120,6 +140,13 @@ class FaultSocketEngine:
                         "code": "engine_full"}})  # fmt: skip
                     await ws.close(code=1008)
                     return ws
+                continue
+            if kind == "response.cancel":
+                if session.get("done"):  # it ended before the cancel came: dropped
+                    continue
+                session["cancelled"] = session["done"] = True
+                await ws.send_json({"type": "response.done", "cancelled": True, "frames": 0,
+                                    "samples": sent // 2, "text_tokens": spoken})  # fmt: skip
                 continue
             if kind == "input_text.append":
                 session["text"] += event["text"]
@@ -149,8 +176,10 @@ class FaultSocketEngine:
             if session["ended"]:
                 await ws.send_json({"type": "response.done", "frames": 0, "samples": sent // 2,
                                     "text_tokens": spoken})  # fmt: skip
-                await ws.close()
-                return ws
+                session["done"] = True
+                if self.close_after_done:
+                    await ws.close()
+                    return ws
         return ws
 
 
@@ -265,7 +294,10 @@ async def test_a_5xx_error_event_fails_over_and_a_4xx_one_is_the_callers(sockets
     assert len(b.sessions) == 1  # B's one socket was the 503 round's: a 400 is not failed over
 
 
-async def test_closing_the_stream_closes_the_socket(sockets):
+async def test_a_barge_in_cancels_on_the_socket_and_the_next_reply_reuses_it(sockets):
+    """The stream is closed while its text is open (LiveKit's barge-in): the plugin sends
+    `response.cancel`, the engine answers `response.done` (cancelled), and the socket goes back
+    to the pool; the next reply is spoken whole on that same socket; `aclose()` closes it."""
     a, _ = sockets
     tts = _tts(a.url, seed=2)
     stream = tts.stream()
@@ -276,12 +308,60 @@ async def test_closing_the_stream_closes_the_socket(sockets):
                 if pcm(ev) is not None:
                     break  # first audio; the text is still open
         await stream.aclose()
-        async with asyncio.timeout(HANG_GUARD):
-            while a.sessions[0]["open"]:
-                await asyncio.sleep(0.02)
+        stream, audio = await _speak(tts)  # waits for the cancel's answer, then takes the socket
+        assert a.sessions[0]["cancelled"] and not a.sessions[0]["ended"]
+        assert a.sessions[1]["ended"] and a.sessions[1]["open"]
+        assert a.sockets == 1 and tts.sockets.opened == 1 and stream.text_streams[0].warm
+        np.testing.assert_array_equal(audio, reference(WORDS, 2))
     finally:
         await tts.aclose()
-    assert not a.sessions[0]["ended"]
+    async with asyncio.timeout(HANG_GUARD):
+        while a.sessions[0]["open"]:
+            await asyncio.sleep(0.02)
+
+
+async def test_replies_share_one_socket_and_an_older_engine_gets_one_each(sockets):
+    """Three replies: one socket (the engine keeps it after response.done); an engine that
+    closes its socket after each utterance (before the warm socket) is answered as before, on a
+    new socket per reply, nothing lost."""
+    a, b = sockets
+    b.close_after_done = True
+    for engine, sockets_used in ((a, 1), (b, 3)):
+        tts = _tts(engine.url, seed=9)
+        try:
+            for _ in range(3):
+                _, audio = await _speak(tts)
+                np.testing.assert_array_equal(audio, reference(WORDS, 9))
+        finally:
+            await tts.aclose()
+        assert engine.sockets == sockets_used == tts.sockets.opened
+        assert len(engine.sessions) == 3 and all(s["ended"] for s in engine.sessions)
+
+
+async def test_a_socket_closed_while_parked_is_never_spoken_on(sockets):
+    """The race the parked reader cannot win: the engine closed the socket (its keepalive) but
+    the client has not read the close yet when the next reply takes it. The start meets a closed
+    socket; the reply goes on a new one to the same engine, whole, and the engine is not marked
+    down (nothing failed)."""
+    a, _ = sockets
+    tts = _tts(a.url, seed=4)
+    try:
+        await _speak(tts)
+        [sock] = tts.sockets.parked(a.url)
+        await sock.take()  # the reader stops: the close below stays unread, as in the race
+        await a.close_sockets()
+        async with asyncio.timeout(HANG_GUARD):
+            while a.open:
+                await asyncio.sleep(0.02)
+        assert not sock.ws.closed  # the client does not know yet
+        stream, audio = await _speak(tts)
+    finally:
+        await tts.aclose()
+    np.testing.assert_array_equal(audio, reference(WORDS, 4))
+    assert a.sockets == 2 and tts.sockets.opened == 2 and len(a.sessions) == 2
+    report = stream.text_streams[0]
+    assert report.endpoints == [a.url] and report.warm is False
+    assert tts.endpoints.endpoints[0].failures == 0
 
 
 async def test_a_blank_segment_opens_no_socket(sockets):
