@@ -19,6 +19,10 @@ from qwen3_tts_engine.protocol import SPEECH_STREAM_PATH, SPEECH_STREAM_SUBPROTO
 from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
 HANG_GUARD = 180
+# A server's socket timeouts far past any hang guard, no heartbeat: for tests of anything but them
+PATIENT_SOCKETS = {"ws_first_text_timeout_s": HANG_GUARD * 10, "ws_idle_timeout_s": HANG_GUARD * 10,
+                   "ws_keepalive_timeout_s": HANG_GUARD * 10, "ws_heartbeat_s": 0,
+                   "ws_send_timeout_s": HANG_GUARD * 10}  # fmt: skip
 
 
 @contextlib.asynccontextmanager

@@ -22,6 +22,7 @@ from qwen3_tts_engine.protocol import QWEN_REALTIME_PATH, Limits
 from qwen3_tts_engine.serving.qwen_realtime import sentence_parts
 from tests.support.speech_socket import (
     HANG_GUARD,
+    PATIENT_SOCKETS,
     assert_same_audio,
     client_session,
     engine_server,
@@ -53,9 +54,7 @@ def test_server_commit_cuts_the_text_at_sentence_ends():
 async def server(tiny_checkpoint):
     checkpoint = str(tiny_checkpoint("custom_voice", eos="text"))
     async with engine_server(checkpoint, 2, api_key=API_KEY, limits=Limits(max_input_chars=1000),
-                             ws_first_text_timeout_s=HANG_GUARD * 10, ws_idle_timeout_s=HANG_GUARD * 10,
-                             ws_keepalive_timeout_s=HANG_GUARD * 10, ws_heartbeat_s=0,
-                             ws_send_timeout_s=HANG_GUARD * 10) as srv:  # fmt: skip
+                             **PATIENT_SOCKETS) as srv:  # fmt: skip
         yield srv
 
 

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from qwen3_tts_engine.protocol import Limits
 from tests.support.speech_socket import (
     HANG_GUARD,
+    PATIENT_SOCKETS,
     assert_same_audio,
     client_session,
     connect,
@@ -38,9 +39,7 @@ REPLIES = ["Hello there, how are you?", "I am fine, thanks.", "Goodbye for now!"
 async def server(tiny_checkpoint):
     checkpoint = str(tiny_checkpoint("custom_voice", eos="text"))
     async with engine_server(checkpoint, 2, api_key=API_KEY, limits=Limits(max_input_chars=2000),
-                             ws_first_text_timeout_s=HANG_GUARD * 10, ws_idle_timeout_s=HANG_GUARD * 10,
-                             ws_keepalive_timeout_s=HANG_GUARD * 10, ws_heartbeat_s=0,
-                             ws_send_timeout_s=HANG_GUARD * 10) as srv:  # fmt: skip
+                             **PATIENT_SOCKETS) as srv:  # fmt: skip
         yield srv
 
 
