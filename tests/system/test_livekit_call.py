@@ -153,7 +153,8 @@ async def test_call_through_a_livekit_server(livekit_server, tiny_checkpoint, tm
         scrape = await _until_scraped(metrics_port, "voice_agent_turns_total", alive=worker_alive)
     except AssertionError as e:
         raise AssertionError(f"{e}\n--- worker log ---\n{log.read_text(errors='replace')[-4000:]}"
-                             f"\n--- transcripts: {caller.transcripts}") from None  # fmt: skip
+                             f"\n--- transcripts: {caller.transcripts} (open: {caller.open_texts})"
+                             f"\n--- the caller's connection: {caller.connection_events}") from None  # fmt: skip
     finally:
         await caller.close()
         await _delete_room(server, room)  # else the job waits out the room's departure timeout

@@ -27,6 +27,11 @@ class Caller:
         self.mic_sid: str | None = None
         self.frames: list[tuple[float, int, str]] = []  # (monotonic time, peak, whose audio)
         self.transcripts: list[tuple[str, dict[str, str], str]] = []  # (sender, attributes, text)
+        # text streams still open: stream id -> (sender, attributes, the text so far)
+        self.open_texts: dict[str, tuple[str, dict[str, str], str]] = {}
+        # the caller's own connection to LiveKit: (monotonic time, "reconnecting" | "reconnected"
+        # | "disconnected"); on a resume LiveKit may lose data in flight, e.g. a stream's end
+        self.connection_events: list[tuple[float, str]] = []
         self.texts: list[tuple[float, str]] = []  # (monotonic time, the agent's text)
         self.states: list[tuple[float, str]] = []  # (monotonic time, the agent's state)
         self.speech_end: float | None = None  # when the speech given to `say` was all played
@@ -39,6 +44,10 @@ class Caller:
         self.room.on("participant_attributes_changed", self._on_attributes)
         self.room.on("local_track_subscribed", self._on_mic_subscribed)
         self.room.register_text_stream_handler(TOPIC, self._on_text)
+        for event in ("reconnecting", "reconnected", "disconnected"):
+            self.room.on(
+                event, lambda *_, e=event: self.connection_events.append((time.monotonic(), e))
+            )
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -65,9 +74,16 @@ class Caller:
 
     def _on_text(self, reader: rtc.TextStreamReader, sender: str) -> None:
         async def read() -> None:
-            text = await reader.read_all()
-            attrs = dict(reader.info.attributes or {})
-            self.transcripts.append((sender, attrs, text))
+            attrs, sid, text = dict(reader.info.attributes or {}), reader.info.stream_id, ""
+            try:
+                async for chunk in reader:  # word by word while it is spoken
+                    text += chunk
+                    self.open_texts[sid] = (sender, attrs, text)
+            except rtc.StreamError as e:  # its sender left mid-stream: what came is kept
+                self.connection_events.append((time.monotonic(), f"text stream broken: {e}"))
+            finally:  # also when the caller leaves first (its tasks are cancelled)
+                self.open_texts.pop(sid, None)
+                self.transcripts.append((sender, attrs, text))
             if sender != self.identity and attrs.get("lk.transcribed_track_id") != self.mic_sid:
                 self.texts.append((time.monotonic(), text))
 
@@ -85,7 +101,8 @@ class Caller:
         return " ".join(mine)
 
     def agent_transcript(self) -> str:
-        """What the agent said, as text."""
+        """What the agent said, as text: its text streams that ended (a stream ends as the agent
+        finishes speaking it; `open_texts` holds those still open)."""
         return " ".join(t for sender, attrs, t in self.transcripts
                         if sender != self.identity and attrs.get("lk.transcribed_track_id") != self.mic_sid)  # fmt: skip
 
