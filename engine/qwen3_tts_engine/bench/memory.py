@@ -230,14 +230,18 @@ async def measure_rung(
     }  # fmt: skip
 
 
+def _real_size_checkpoint(progress) -> str:
+    """The real-size random checkpoint's directory, written (in a child process) the first time."""
+    path = real_size_dir()
+    if not (path / "speech_tokenizer" / "config.json").is_file():
+        progress(f"writing the real-size checkpoint to {path} ...")
+        _child(write_real_size_checkpoint, path)
+    return str(path)
+
+
 def run_memory_bench(rungs=DEFAULT_RUNGS, model: str | None = None, progress=print,
                      compute_dtype: str | None = None) -> dict:  # fmt: skip
-    if model is None:
-        path = real_size_dir()
-        if not (path / "speech_tokenizer" / "config.json").is_file():
-            progress(f"writing the real-size checkpoint to {path} ...")
-            _child(write_real_size_checkpoint, path)
-        model = str(path)
+    model = model or _real_size_checkpoint(progress)
     out = {"model": model, "text": TEXT, "frames": FRAMES, "rungs": {}}
     for rung in rungs:
         progress(f"  {rung}: quantizing into the cache (child process)")
@@ -380,12 +384,7 @@ def run_batch_memory_bench(rungs=("bf16",), model: str | None = None, streams: i
     written once)."""
     if frames % CHUNK_FRAMES:
         raise ValueError(f"--frames must be a multiple of {CHUNK_FRAMES} (whole chunks)")
-    if model is None:
-        path = real_size_dir()
-        if not (path / "speech_tokenizer" / "config.json").is_file():
-            progress(f"writing the real-size checkpoint to {path} ...")
-            _child(write_real_size_checkpoint, path)
-        model = str(path)
+    model = model or _real_size_checkpoint(progress)
     out: dict = {"model": model, "streams": streams, "frames_per_stream": frames, "rungs": {}}
     for rung in rungs:
         progress(f"  {rung}: quantizing into the cache (child process)")
