@@ -196,7 +196,6 @@ class Admission:
         self.probe_every_s = probe_every_s  # None: no probes
         self.clock = clock
         self.fits = fits  # None: no memory rule
-        self.running = 0
         self.held: list[int] = []  # the costs of the requests running
         self.probes = 0  # requests admitted over the limit so far
         self._waiters: deque[tuple[asyncio.Future, int]] = deque()
@@ -205,7 +204,6 @@ class Admission:
 
     async def acquire(self, cost: int = 0) -> None:
         if not self._waiters and self.running < self.limit() and self._memory_allows(cost):
-            self.running += 1
             self.held.append(cost)
             return
         fut = asyncio.get_running_loop().create_future()
@@ -224,9 +222,12 @@ class Admission:
             raise
 
     def release(self, cost: int = 0) -> None:
-        self.running -= 1
         self.held.remove(cost)
         self.wake()
+
+    @property
+    def running(self) -> int:
+        return len(self.held)
 
     @property
     def held_by_memory(self) -> bool:
@@ -271,7 +272,6 @@ class Admission:
         fut, cost = self._waiters.popleft()
         if fut.done():
             return False
-        self.running += 1
         self.held.append(cost)
         fut.set_result(None)
         return True
