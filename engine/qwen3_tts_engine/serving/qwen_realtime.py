@@ -96,9 +96,10 @@ class QwenRealtimeSession(SocketSession):
                 "language_type": self.settings.get("language_type", "Auto"),
                 "response_format": "pcm", "sample_rate": self.settings.get("sample_rate", 24000)}  # fmt: skip
 
-    def _fields(self) -> dict:
-        """The POST fields each response is made from."""
-        return {SESSION_FIELDS[k]: v for k, v in self.settings.items() if k in SESSION_FIELDS}
+    def _fields(self, settings: dict | None = None) -> dict:
+        """The POST fields each response is made from (of `settings`, the session's by default)."""
+        settings = self.settings if settings is None else settings
+        return {SESSION_FIELDS[k]: v for k, v in settings.items() if k in SESSION_FIELDS}
 
     async def on_open(self) -> None:
         await self.send_json(self._event("session.created", session=self._session()))
@@ -138,9 +139,8 @@ class QwenRealtimeSession(SocketSession):
         if mode not in MODES:
             raise RequestError(f"mode must be one of {', '.join(MODES)}", param="session.mode")
         settings = {**self.settings, **{k: v for k, v in session.items() if k in SESSION_FIELDS}}
-        fields = {SESSION_FIELDS[k]: v for k, v in settings.items()}
         try:  # each response is prepared again as it starts; a bad field is refused now
-            self.service.prepare(fields, streamed=True)
+            self.service.prepare(self._fields(settings), streamed=True)
         except RequestError as e:
             theirs = {v: k for k, v in SESSION_FIELDS.items()}.get(e.param or "", e.param)
             raise RequestError(e.message, param=theirs and f"session.{theirs}", status=e.status,
@@ -186,7 +186,9 @@ class QwenRealtimeSession(SocketSession):
         if self.mode == "commit":
             if not self.buffer:
                 # not fatal: the hosted service answers an error event and goes on
-                await self.send_json(self._error(RequestError("the input text buffer is empty")))
+                await self.send_json(
+                    self.error_event(RequestError("the input text buffer is empty"))
+                )
                 return
             text = TextInput(self.buffer)
             self.buffer = ""
@@ -287,7 +289,7 @@ class QwenRealtimeSession(SocketSession):
                                          output_index=0, item=self._item(utt, "completed")))  # fmt: skip
         await self.send_json(self._event("response.done", response=self._response(utt, status)))
 
-    def _error(self, error: RequestError) -> dict:
+    def error_event(self, error: RequestError) -> dict:
         body = error.to_json()["error"]
         body["code"] = error.code or ("invalid_value" if error.status < 500 else "internal_error")
         body["status"] = error.status
@@ -296,6 +298,3 @@ class QwenRealtimeSession(SocketSession):
         if self.config.retry_after_s and error.status in RETRY_STATUSES:
             body["retry_after_s"] = self.config.retry_after_s
         return self._event("error", error=body)
-
-    def error_event(self, error: RequestError) -> dict:
-        return self._error(error)
