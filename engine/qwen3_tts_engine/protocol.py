@@ -69,6 +69,11 @@ HEADER_SAMPLE_RATE = "X-Sample-Rate"
 HEADER_REQUEST_ID = "X-Request-Id"
 # "true" on a whole (not streamed) response whose utterance ran to its frame cap
 HEADER_CAPPED = "X-Qwen3-TTS-Capped"
+# Why an utterance ended, on every door (POST's header and SSE done event, each socket dialect's
+# done event, traces, metrics): "stop" (end of speech), "length" (a frame cap), "repetition"
+# (the loop detector), "abort" (cancelled, or its client went away), "error".
+HEADER_FINISH_REASON = "X-Finish-Reason"
+FINISH_REASONS = ("stop", "length", "repetition", "abort", "error")
 
 LANGUAGES = (
     "auto", "chinese", "english", "japanese", "korean", "german",

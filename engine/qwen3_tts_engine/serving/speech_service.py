@@ -24,7 +24,13 @@ from qwen3_tts_engine.dispatch.engine import Engine
 from qwen3_tts_engine.dispatch.handler import AudioChunk, Result
 from qwen3_tts_engine.dispatch.text_input import TextInput
 from qwen3_tts_engine.log import logger
-from qwen3_tts_engine.protocol import SAMPLE_RATE, RequestError, SpeechRequest, parse_speech_request
+from qwen3_tts_engine.protocol import (
+    FINISH_REASONS,
+    SAMPLE_RATE,
+    RequestError,
+    SpeechRequest,
+    parse_speech_request,
+)
 from qwen3_tts_engine.serving.metrics import Metrics
 from qwen3_tts_engine.serving.ref_audio import resolve_ref_audio
 from qwen3_tts_engine.serving.server_config import ServerConfig
@@ -50,6 +56,18 @@ def capped(result: Result) -> bool:
     """Whether the utterance (or one of its sentences) ran to its frame cap, `max_new_tokens` or
     the default (`protocol.default_max_new_tokens`), instead of ending by end-of-speech."""
     return bool((result.stats or {}).get("hit_token_cap"))
+
+
+def finish_reason(result: Result) -> str:
+    """Why a synthesis that ran to its end ended (`protocol.FINISH_REASONS`): the worker's own
+    word where it gives one (its done stats' `finish_reason`), else `length` for a capped one and
+    `stop` for one that ended by end-of-speech. A cancelled or failed one is the caller's to name
+    (`abort`, `error`)."""
+    stats = result.stats or {}
+    reason = stats.get("finish_reason")
+    if isinstance(reason, str) and reason in FINISH_REASONS:
+        return reason
+    return "length" if capped(result) else "stop"
 
 
 async def _resampled(chunks: AsyncIterator[AudioChunk],
