@@ -19,6 +19,7 @@ detector"):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,17 +39,27 @@ class LoopRules:
         if not 0.0 < self.min_match <= 1.0 or self.max_distinct < 1:
             raise ValueError("LoopRules: need 0 < min_match <= 1 and max_distinct >= 1")
 
+    @property
+    def cycle_codes(self) -> int:
+        """The most distinct codes a window that is a cycle can hold: its period's codes plus one
+        per comparison allowed to miss. A window with more (any speech) skips the cycle test."""
+        return max(p + (self.window - p) - math.ceil(self.min_match * (self.window - p) - 1e-9)
+                   for p in range(1, self.max_period + 1))  # fmt: skip
+
 
 def loop_kind(codes: Sequence[int], rules: LoopRules, *, text_fed: bool = True) -> str | None:
     """ "cycle" or "stall" when the last `rules.window` codes of a sentence (codebook 0, oldest
     first) loop, else None (also while fewer than a window's worth have been made)."""
     if len(codes) < rules.window:
         return None
-    recent = np.asarray(codes[-rules.window :])
-    for period in range(1, rules.max_period + 1):
-        if np.mean(recent[period:] == recent[:-period]) >= rules.min_match:
-            return "cycle"
-    if text_fed and len(np.unique(recent)) <= rules.max_distinct:
+    recent = codes[-rules.window :]
+    distinct = len(set(recent))  # speech: most of the window; the cheap test runs every frame
+    if distinct <= rules.cycle_codes:
+        window = np.asarray(recent)
+        for period in range(1, rules.max_period + 1):
+            if np.mean(window[period:] == window[:-period]) >= rules.min_match - 1e-9:
+                return "cycle"
+    if text_fed and distinct <= rules.max_distinct:
         return "stall"
     return None
 
