@@ -73,6 +73,35 @@ def test_speech_like_codes_never_loop():
                for seed in range(20) for n in range(RULES.window, 600, 37))  # fmt: skip
 
 
+def _by_definition(codes: list[int], rules: LoopRules, text_fed: bool) -> str | None:
+    """The rules as the docs state them, with no shortcut."""
+    if len(codes) < rules.window:
+        return None
+    w = codes[-rules.window :]
+    for p in range(1, rules.max_period + 1):
+        if sum(w[i] == w[i - p] for i in range(p, len(w))) >= rules.min_match * (len(w) - p) - 1e-9:
+            return "cycle"
+    return "stall" if text_fed and len(set(w)) <= rules.max_distinct else None
+
+
+def test_skipping_windows_of_many_codes_never_changes_a_verdict():
+    """`loop_kind` tests a cycle only where the window holds at most `cycle_codes` codes: random
+    near-cycles with slips at the bound agree with the rules' definition."""
+    rng = np.random.default_rng(7)
+    rules = [RULES, LoopRules(window=20, max_period=4, min_match=0.75, max_distinct=2)]
+    verdicts = set()
+    for r in rules:
+        for _ in range(400):
+            period = int(rng.integers(1, r.max_period + 3))
+            codes = (rng.integers(0, 50, period).tolist() * (r.window // period + 2))[: r.window]
+            for i in rng.choice(r.window, int(rng.integers(0, 8)), replace=False):
+                codes[i] = int(rng.integers(50, 60))  # slips, some of them new codes
+            for fed in (True, False):
+                verdicts.add(got := loop_kind(codes, r, text_fed=fed))
+                assert got == _by_definition(codes, r, fed), (codes, r, fed)
+    assert verdicts == {"cycle", "stall", None}  # every outcome was exercised
+
+
 def test_bad_rules_are_refused():
     for bad in (dict(max_period=0), dict(max_period=48), dict(min_match=0.0),
                 dict(max_distinct=0)):  # fmt: skip
