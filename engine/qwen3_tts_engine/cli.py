@@ -88,6 +88,7 @@ def engine_config(args: argparse.Namespace):
     server = ServerConfig(
         host=args.host, port=args.port, api_key=os.environ.get(API_KEY_ENV) or None,
         operator_key=os.environ.get(OPERATOR_KEY_ENV) or None, insecure_no_auth=args.insecure_no_auth,
+        allow_fault_injection=args.allow_fault_injection,
         ref_audio_dir=Path(args.ref_audio_dir) if args.ref_audio_dir else None,
         limits=Limits(max_input_chars=args.max_input_chars), max_queue=args.max_queue,
         text_start_tokens=args.text_start_tokens, text_pace=args.text_pace,
@@ -124,6 +125,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     if problem and not args.insecure_no_auth:  # before a model loads
         print(f"qwen3-tts: error: {problem}", file=sys.stderr)
+        return 2
+    if args.fault_step_delay_ms and not args.allow_fault_injection:
+        print("qwen3-tts: error: --fault-step-delay-ms is fault injection (drills, tests): "
+              "pass --allow-fault-injection too", file=sys.stderr)  # fmt: skip
         return 2
     if not args.model:
         print(TINY_WARNING, file=sys.stderr)
@@ -632,7 +637,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="MS",
         help="fault injection: every batch step sleeps MS per stream in it, as on a "
-        "slower host (drills and tests of the real-time admission)",
+        "slower host (drills and tests of the real-time admission; needs "
+        "--allow-fault-injection)",
+    )
+    s.add_argument(
+        "--allow-fault-injection",
+        action="store_true",
+        help="serve POST /v1/engine/fault (operator key when one is set) and allow "
+        "--fault-step-delay-ms: drills and tests, never production (without it: 404)",
     )
     s.add_argument(
         "--compute-dtype",

@@ -21,6 +21,8 @@ class ServerConfig:
     operator_key: str | None = None  # alone may change the variant; from QWEN3_TTS_OPERATOR_KEY
     # serve a non-loopback host without an API key (refused otherwise)
     insecure_no_auth: bool = False
+    # serve POST /v1/engine/fault (drills, tests: `--allow-fault-injection`); absent (404) otherwise
+    allow_fault_injection: bool = False
     ref_audio_dir: Path | None = None
     limits: Limits = field(default_factory=Limits)
     max_body_bytes: int = 12 * 1024 * 1024
