@@ -12,9 +12,11 @@ after LiveKit's few seconds of imports.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import sys
+import threading
 from dataclasses import fields
 from pathlib import Path
 
@@ -172,12 +174,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`voice-agent`; Ctrl-C ends it with one line (what it started is stopped on the way out)."""
+    """`voice-agent`; Ctrl-C ends it with one line (what it started is stopped on the way out).
+
+    Run as the program (no `argv`), it ends without finalizing the interpreter where LiveKit's
+    native library was loaded: see `_exit_past_livekit`."""
     try:
-        return _main(argv)
+        code = _main(argv)
     except KeyboardInterrupt:
         print("voice-agent: interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    except SystemExit as e:  # argparse, a bad setting: as the interpreter would end it
+        if argv is not None or "livekit.rtc" not in sys.modules:
+            raise
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    if argv is None and "livekit.rtc" in sys.modules:
+        _exit_past_livekit(code)
+    return code
+
+
+def _exit_past_livekit(code: int) -> None:
+    """End the process once our services have stopped, with LiveKit's FFI closed, and without
+    finalizing the interpreter. LiveKit's native threads (tokio) call into Python (its log
+    callback); one that does while the interpreter finalizes is killed by CPython 3.11 with
+    pthread_exit, whose forced unwind through Rust aborts the process ("panic in a function that
+    cannot unwind", exit 134) after our last line was printed. So: what finalization would do
+    first (join non-daemon threads, the atexit handlers: LiveKit's `livekit_ffi_dispose` among
+    them, logging's flush), then flush and `os._exit`: no native thread can meet a half-torn-down
+    interpreter."""
+    shutdown = getattr(threading, "_shutdown", None)
+    try:
+        if shutdown is not None:
+            shutdown()  # the non-daemon threads, as Py_FinalizeEx waits for them
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
 
 
 def _main(argv: list[str] | None = None) -> int:
