@@ -93,7 +93,32 @@ def livekit_argv(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless its help already names one (the
+    settings' flags name theirs: settings.add_arguments)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" not in text.lower() and action.default not in (None, False, argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`parser` and every subcommand's parser under it format their help with `_DefaultsHelp`."""
+    parser.formatter_class = _DefaultsHelp
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
+    return _show_defaults(_build_parser())
+
+
+def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="voice-agent", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name in LIVEKIT_COMMANDS:
@@ -102,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "wav", nargs="*", type=Path, help="user turns (default: a question by espeak-ng)"
     )
-    d.add_argument("--out", type=Path, default=Path("out/agent-reply.wav"))
+    d.add_argument(
+        "--out", type=Path, default=Path("out/agent-reply.wav"), help="WAV file of the replies"
+    )
     d.add_argument("--json", action="store_true", help="machine-readable report")
     add_arguments(d)
     b = sub.add_parser(
@@ -126,8 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=5,
         help="questions with a pause in the middle per configuration",
     )
-    b.add_argument("--tts-requests", type=int, default=8)
-    b.add_argument("--out", type=Path)
+    b.add_argument("--tts-requests", type=int, default=8, help="TTS requests per contention level")
+    b.add_argument("--out", type=Path, help="also write the JSON report here")
     soak = b.add_argument_group("soak (`voice-agent bench soak`)")
     soak.add_argument("--minutes", type=float, default=20.0, help="how long the callers call")
     soak.add_argument("--callers", type=int, default=2, help="callers calling at the same time")
