@@ -254,7 +254,7 @@ def _main(argv: list[str] | None = None) -> int:
         os.environ.update(env)
         settings = Settings.load()  # a bad setting fails first, in one line (SystemExit)
         if problem := preflight_problem(lk_argv):  # before livekit.agents' seconds of imports
-            print(f"voice-agent: {problem}", file=sys.stderr)
+            print(f"voice-agent: error: {problem}", file=sys.stderr)
             return 1
         if args.command in ("start", "dev") and settings.metrics_port:
             use_multiprocess_dir()  # before livekit.agents imports prometheus_client

@@ -169,7 +169,7 @@ def cmd_variant(args: argparse.Namespace) -> int:
     except ValueError:
         data = {"error": {"message": r.text}}
     if r.status_code >= 400 and "error" in data:
-        print(f"qwen3-tts: server answered {r.status_code}: {data['error']['message']}",
+        print(f"qwen3-tts: error: server answered {r.status_code}: {data['error']['message']}",
               file=sys.stderr)  # fmt: skip
         return 1
     if args.name is None:  # the governor's state (or the whole status without a governor)
@@ -231,7 +231,11 @@ def _say_remote(args: argparse.Namespace, req: SpeechRequest) -> tuple[dict, byt
     ) as r:
         if r.status_code != 200:
             r.read()
-            raise SystemExit(f"qwen3-tts: server answered {r.status_code}: {r.text}")
+            try:  # the error's message, as every command prints one
+                message = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = r.text
+            raise SystemExit(f"qwen3-tts: error: server answered {r.status_code}: {message}")
         variant = r.headers.get(HEADER_VARIANT)
         for data in r.iter_raw():
             first = first if first is not None else time.perf_counter() - t0
