@@ -7,13 +7,16 @@ from __future__ import annotations
 import http.server
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 import wave
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -89,17 +92,70 @@ def engine_port_in_use(tmp: Path) -> str:
                     str(tmp / "no-model"))  # fmt: skip
 
 
+class SharedEngine:
+    """One `qwen3-tts serve` on the default tiny checkpoint for the quotes that need an engine,
+    its log in a file (its start's warnings, its requests'); started at first use."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.log: Path | None = None
+        self.url = ""
+
+    def start(self, tmp: Path) -> SharedEngine:
+        if self.proc is not None:
+            return self
+        port = free_port()
+        self.url, self.log = f"http://127.0.0.1:{port}", tmp / "engine.log"
+        with open(self.log, "wb") as fh:
+            self.proc = subprocess.Popen([str(BIN / "qwen3-tts"), "serve", "--port", str(port)],
+                                         stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        deadline = time.monotonic() + 300
+        while True:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, self.log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+
+
+ENGINE = SharedEngine()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_the_shared_engine():
+    yield
+    ENGINE.stop()
+
+
 def unknown_voice(tmp: Path) -> str:
     """The demo asks the real engine (the tiny checkpoint) for its voices."""
-    from qwen3_tts_engine.tiny_checkpoints import default_tiny_checkpoint
-    from tests.support.engine_process import EngineProcess
+    url = ENGINE.start(tmp).url
+    return _run(tmp, "voice-agent", "demo", str(_wav(tmp / "turn.wav")), "--tts-voice", "nobody",
+                TTS_URL=url)  # fmt: skip
 
-    engine = EngineProcess(default_tiny_checkpoint(), None).start()
-    try:
-        return _run(tmp, "voice-agent", "demo", str(_wav(tmp / "turn.wav")), "--tts-voice",
-                    "nobody", TTS_URL=engine.url)  # fmt: skip
-    finally:
-        engine.stop()
+
+def ladder_warning(tmp: Path) -> str:
+    """The engine's start on a fresh checkpoint (no quality report: every quantized rung off)."""
+    return ENGINE.start(tmp).log.read_text()
+
+
+def frame_cap_warning(tmp: Path) -> str:
+    engine = ENGINE.start(tmp)
+    body = {"input": "Hello there, how are you today?", "voice": "ryan", "max_new_tokens": 2,
+            "response_format": "pcm"}  # fmt: skip
+    assert httpx.post(f"{engine.url}/v1/audio/speech", json=body, timeout=300).status_code == 200
+    deadline = time.monotonic() + 60
+    while "frame cap" not in engine.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return engine.log.read_text()
 
 
 def hub_model_offline(tmp: Path) -> str:
@@ -126,6 +182,8 @@ PROVOKE = {
     "the TTS engine has no voice 'nobody'": unknown_voice,
     "unknown voice 'nobody'; voices: ...": lambda tmp: _run(tmp, "qwen3-tts", "say", "Hi.", "--voice", "nobody"),
     "cannot download 'mlx-community/...'": hub_model_offline,
+    "governor: 8bit is left off the ladder": ladder_warning,
+    "tts-N ran to its frame cap": frame_cap_warning,
     "input must be a non-empty string": lambda tmp: _run(tmp, "qwen3-tts", "say", ""),
     "qwen3-tts: error: refusing to listen on 0.0.0.0 with no API key: ...": lambda tmp: _run(
         tmp, "qwen3-tts", "serve", "--host", "0.0.0.0", "--port", str(free_port())),
@@ -143,7 +201,13 @@ def _provoker(quote: str):
     return next((f for key, f in PROVOKE.items() if quote.startswith(key)), None)
 
 
-SLOW = (port_held_by_another_server, unknown_voice, hub_model_offline)  # an engine, or more
+SLOW = (
+    port_held_by_another_server,
+    unknown_voice,
+    hub_model_offline,
+    ladder_warning,
+    frame_cap_warning,
+)  # an engine, or more
 
 
 @pytest.mark.parametrize("quote", [
@@ -161,4 +225,4 @@ def test_the_quoted_message_is_what_the_program_prints(quote, tmp_path):
     if "console" in quote and "no microphone" not in out:
         pytest.skip(f"this machine has a microphone (or no PortAudio): {out.strip()}")
     assert pattern(quote).search(out), f"{quote!r} is not in what the program printed:\n{out}"
-    assert "Traceback" not in out, out
+    assert "Traceback" not in out, out[-3000:]
