@@ -331,7 +331,8 @@ class Handler:
                 queue.put_nowait(m)
             if self.state == "starting":
                 self._control.put_nowait(m)
-            elif not self._stopping and self.state != "failed":  # (failed: its load, said)
+            elif not self._stopping and not (self.state == "failed" and self.restarts == 0):
+                # (a first load that failed: start() raised it already, with the worker's words)
                 self._on_death(m.exitcode)
         elif isinstance(m, msg.MemoryReport):
             self.info["memory"] = m.memory
