@@ -50,7 +50,7 @@ def _need_mlx() -> None:
     try:
         import mlx_audio  # noqa: F401
     except ImportError:
-        sys.exit("qwen3-tts: this command needs mlx-audio: "
+        sys.exit("qwen3-tts: error: this command needs mlx-audio: "
                  "pip install qwen3-tts-engine")  # fmt: skip
 
 

@@ -226,3 +226,18 @@ def test_the_quoted_message_is_what_the_program_prints(quote, tmp_path):
         pytest.skip(f"this machine has a microphone (or no PortAudio): {out.strip()}")
     assert pattern(quote).search(out), f"{quote!r} is not in what the program printed:\n{out}"
     assert "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exe, args, starts", [
+    ("qwen3-tts", ["say", "Hi.", "--voice", "nobody", "--server", "{url}"],
+     "qwen3-tts: error: server answered 400: unknown voice 'nobody'; voices: "),
+    ("qwen3-tts", ["variant", "no-such-rung", "--server", "{url}"], "qwen3-tts: error: server answered 4"),
+    ("voice-agent", ["keeper"], "voice-agent: error: keeper needs LIVEKIT_URL"),
+])  # fmt: skip
+def test_every_command_fails_with_one_prefix_and_the_errors_message(tmp_path, exe, args, starts):
+    """`PROGRAM: error: ` and the error's message (not a raw JSON body), in one line."""
+    url = ENGINE.start(tmp_path).url if any("{url}" in a for a in args) else ""
+    out = _run(tmp_path, exe, *(a.format(url=url) for a in args))
+    assert out.startswith(starts) and len(out.strip().splitlines()) == 1, out
+    assert '{"error"' not in out, out
