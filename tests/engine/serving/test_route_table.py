@@ -100,6 +100,9 @@ async def test_public_probes_answer_head_without_a_key(drill_server, path):
     ) as c:
         r = await c.head(path)
         assert r.status_code == 200 and r.content == b"", (path, r.status_code)
+        # aiohttp adds no OPTIONS route: a 405 naming what is allowed, never a 401
+        r = await c.options(path)
+        assert r.status_code == 405 and "GET" in r.headers.get("Allow", ""), (path, r.status_code)
         assert (await c.head("/v1/models")).status_code == 401  # a keyed GET stays keyed
 
 
