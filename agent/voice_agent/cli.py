@@ -12,9 +12,11 @@ after LiveKit's few seconds of imports.
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import sys
+import threading
 from dataclasses import fields
 from pathlib import Path
 
@@ -91,7 +93,32 @@ def livekit_argv(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless its help already names one (the
+    settings' flags name theirs: settings.add_arguments)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" not in text.lower() and action.default not in (None, False, argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`parser` and every subcommand's parser under it format their help with `_DefaultsHelp`."""
+    parser.formatter_class = _DefaultsHelp
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
+    return _show_defaults(_build_parser())
+
+
+def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="voice-agent", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name in LIVEKIT_COMMANDS:
@@ -100,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument(
         "wav", nargs="*", type=Path, help="user turns (default: a question by espeak-ng)"
     )
-    d.add_argument("--out", type=Path, default=Path("out/agent-reply.wav"))
+    d.add_argument(
+        "--out", type=Path, default=Path("out/agent-reply.wav"), help="WAV file of the replies"
+    )
     d.add_argument("--json", action="store_true", help="machine-readable report")
     add_arguments(d)
     b = sub.add_parser(
@@ -124,8 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=5,
         help="questions with a pause in the middle per configuration",
     )
-    b.add_argument("--tts-requests", type=int, default=8)
-    b.add_argument("--out", type=Path)
+    b.add_argument("--tts-requests", type=int, default=8, help="TTS requests per contention level")
+    b.add_argument("--out", type=Path, help="also write the JSON report here")
     soak = b.add_argument_group("soak (`voice-agent bench soak`)")
     soak.add_argument("--minutes", type=float, default=20.0, help="how long the callers call")
     soak.add_argument("--callers", type=int, default=2, help="callers calling at the same time")
@@ -172,12 +201,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`voice-agent`; Ctrl-C ends it with one line (what it started is stopped on the way out)."""
+    """`voice-agent`; Ctrl-C ends it with one line (what it started is stopped on the way out).
+
+    Run as the program (no `argv`), it ends without finalizing the interpreter where LiveKit's
+    native library was loaded: see `_exit_past_livekit`."""
     try:
-        return _main(argv)
+        code = _main(argv)
     except KeyboardInterrupt:
         print("voice-agent: interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    except SystemExit as e:  # argparse, a bad setting: as the interpreter would end it
+        if argv is not None or "livekit.rtc" not in sys.modules:
+            raise
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    if argv is None and "livekit.rtc" in sys.modules:
+        _exit_past_livekit(code)
+    return code
+
+
+def _exit_past_livekit(code: int) -> None:
+    """End the process once our services have stopped, with LiveKit's FFI closed, and without
+    finalizing the interpreter. LiveKit's native threads (tokio) call into Python (its log
+    callback); one that does while the interpreter finalizes is killed by CPython 3.11 with
+    pthread_exit, whose forced unwind through Rust aborts the process ("panic in a function that
+    cannot unwind", exit 134) after our last line was printed. So: what finalization would do
+    first (join non-daemon threads, the atexit handlers: LiveKit's `livekit_ffi_dispose` among
+    them, logging's flush), then flush and `os._exit`: no native thread can meet a half-torn-down
+    interpreter."""
+    shutdown = getattr(threading, "_shutdown", None)
+    try:
+        if shutdown is not None:
+            shutdown()  # the non-daemon threads, as Py_FinalizeEx waits for them
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
 
 
 def _main(argv: list[str] | None = None) -> int:
@@ -190,7 +254,7 @@ def _main(argv: list[str] | None = None) -> int:
         os.environ.update(env)
         settings = Settings.load()  # a bad setting fails first, in one line (SystemExit)
         if problem := preflight_problem(lk_argv):  # before livekit.agents' seconds of imports
-            print(f"voice-agent: {problem}", file=sys.stderr)
+            print(f"voice-agent: error: {problem}", file=sys.stderr)
             return 1
         if args.command in ("start", "dev") and settings.metrics_port:
             use_multiprocess_dir()  # before livekit.agents imports prometheus_client

@@ -428,7 +428,7 @@ def run_keeper(settings) -> int:
     """`voice-agent keeper` (blocks until Ctrl-C / SIGTERM)."""
     if not (settings.livekit_url and settings.livekit_api_key and settings.livekit_api_secret):
         raise SystemExit(
-            "voice-agent keeper: LIVEKIT_URL, LIVEKIT_API_KEY and LIVEKIT_API_SECRET are required"
+            "voice-agent: error: keeper needs LIVEKIT_URL, LIVEKIT_API_KEY and LIVEKIT_API_SECRET"
         )
     keeper = CallKeeper(settings.livekit_url, settings.livekit_api_key, settings.livekit_api_secret,
                         agent_name=settings.agent_name, heartbeat_timeout=settings.keeper_heartbeat_timeout,

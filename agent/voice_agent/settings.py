@@ -604,16 +604,18 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type = Settings) -> None
         if not f.metadata.get("flag", True):
             continue
         flag = "--" + f.name.replace("_", "-")
+        # the flag's own default is None (unset: the environment, then the setting's default)
+        shown = "unset" if f.default in (None, "") else f.default
+        help = f"{f.metadata['help']} [{f.metadata['env']}; default: {shown}]".replace("%", "%%")
         if f.type in (bool, "bool"):
             parser.add_argument(
                 flag,
                 action=argparse.BooleanOptionalAction,
                 default=None,
-                help=f"{f.metadata['help']} [{f.metadata['env']}]",
+                help=help,
             )  # --x / --no-x
         else:
-            parser.add_argument(flag, default=None, help=f"{f.metadata['help']} [{f.metadata['env']}]",
-                                type=_argtype(f))  # fmt: skip
+            parser.add_argument(flag, default=None, help=help, type=_argtype(f))  # fmt: skip
     if type(parser).error is argparse.ArgumentParser.error:  # not customized by the caller
         parser.error = lambda message: parser.exit(2, f"{parser.prog}: error: {message}\n")
 

@@ -160,6 +160,18 @@ async def _aclose(call: PhoneCall) -> None:
     call.close()
 
 
+def _leave_logging_to_livekit() -> None:
+    """LiveKit's CLI adds its own root handler (stdout): the one `voice-agent` added for its own
+    start (stderr) would print every line a second time (twice in one file when both go there)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (
+            sys.stderr,
+            sys.stdout,
+        ):
+            root.removeHandler(handler)
+
+
 def run_worker(argv: list[str], settings: Settings) -> int:
     """LiveKit's command `argv` with `settings`, once `voice-agent` has loaded them and found no
     problem (`preflight.preflight_problem`)."""
@@ -190,6 +202,7 @@ def run_worker(argv: list[str], settings: Settings) -> int:
         if command == "start":  # dev keeps LiveKit's development default (no limit)
             server.update_options(load_threshold=settings.agent_load_threshold)
         sys.argv = ["voice-agent", *argv]
+        _leave_logging_to_livekit()
         cli.run_app(server)
     finally:
         for service in services:

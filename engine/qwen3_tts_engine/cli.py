@@ -50,7 +50,7 @@ def _need_mlx() -> None:
     try:
         import mlx_audio  # noqa: F401
     except ImportError:
-        sys.exit("qwen3-tts: this command needs mlx-audio: "
+        sys.exit("qwen3-tts: error: this command needs mlx-audio: "
                  "pip install qwen3-tts-engine")  # fmt: skip
 
 
@@ -88,6 +88,7 @@ def engine_config(args: argparse.Namespace):
     server = ServerConfig(
         host=args.host, port=args.port, api_key=os.environ.get(API_KEY_ENV) or None,
         operator_key=os.environ.get(OPERATOR_KEY_ENV) or None, insecure_no_auth=args.insecure_no_auth,
+        allow_fault_injection=args.allow_fault_injection,
         ref_audio_dir=Path(args.ref_audio_dir) if args.ref_audio_dir else None,
         limits=Limits(max_input_chars=args.max_input_chars), max_queue=args.max_queue,
         text_start_tokens=args.text_start_tokens, text_pace=args.text_pace,
@@ -124,6 +125,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     if problem and not args.insecure_no_auth:  # before a model loads
         print(f"qwen3-tts: error: {problem}", file=sys.stderr)
+        return 2
+    if args.fault_step_delay_ms and not args.allow_fault_injection:
+        print("qwen3-tts: error: --fault-step-delay-ms is fault injection (drills, tests): "
+              "pass --allow-fault-injection too", file=sys.stderr)  # fmt: skip
         return 2
     if not args.model:
         print(TINY_WARNING, file=sys.stderr)
@@ -164,7 +169,7 @@ def cmd_variant(args: argparse.Namespace) -> int:
     except ValueError:
         data = {"error": {"message": r.text}}
     if r.status_code >= 400 and "error" in data:
-        print(f"qwen3-tts: server answered {r.status_code}: {data['error']['message']}",
+        print(f"qwen3-tts: error: server answered {r.status_code}: {data['error']['message']}",
               file=sys.stderr)  # fmt: skip
         return 1
     if args.name is None:  # the governor's state (or the whole status without a governor)
@@ -226,7 +231,11 @@ def _say_remote(args: argparse.Namespace, req: SpeechRequest) -> tuple[dict, byt
     ) as r:
         if r.status_code != 200:
             r.read()
-            raise SystemExit(f"qwen3-tts: server answered {r.status_code}: {r.text}")
+            try:  # the error's message, as every command prints one
+                message = r.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = r.text
+            raise SystemExit(f"qwen3-tts: error: server answered {r.status_code}: {message}")
         variant = r.headers.get(HEADER_VARIANT)
         for data in r.iter_raw():
             first = first if first is not None else time.perf_counter() - t0
@@ -422,6 +431,7 @@ def _add_governor_options(s: argparse.ArgumentParser) -> None:
         "--memory-source",
         default="auto",
         choices=["auto", "cgroup-v2", "cgroup-v1", "system", "macos"],
+        help="where memory is read (auto: the container's cgroup limit, else the system's)",
     )
     g.add_argument(
         "--governor-interval",
@@ -516,12 +526,36 @@ def _client_levels(text: str) -> tuple[int, ...]:
     return levels
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless its help already names one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" not in text.lower() and action.default not in (None, False, argparse.SUPPRESS):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`parser` and every subcommand's parser under it format their help with `_DefaultsHelp`."""
+    parser.formatter_class = _DefaultsHelp
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
+    return _show_defaults(_build_parser())
+
+
+def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwen3-tts", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("tiny-checkpoint", help="write a tiny random checkpoint (tests, demos)")
-    t.add_argument("out")
+    t.add_argument("out", help="folder to write the checkpoint to")
     # --kind: the checkpoint's model type (everywhere else --variant is a precision); the old
     # spelling still works
     t.add_argument(
@@ -532,8 +566,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["custom_voice", "base", "voice_design"],
         help="model type: CustomVoice (preset speakers), Base (cloning), VoiceDesign",
     )
-    t.add_argument("--bits", type=int, choices=[4, 6, 8])
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument(
+        "--bits",
+        type=int,
+        choices=[4, 6, 8],
+        help="also quantize it to this many bits (default: not quantized)",
+    )
+    t.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     t.add_argument(
         "--eos",
         choices=["text", "never", "random", "loop"],
@@ -558,15 +597,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="127.0.0.1",
         help=f"address to listen on; any but loopback needs {API_KEY_ENV} (or --insecure-no-auth)",
     )
-    s.add_argument("--port", type=int, default=8880)
+    s.add_argument("--port", type=int, default=8880, help="port to listen on (0: any free one)")
     s.add_argument(
         "--insecure-no-auth",
         action="store_true",
         help=f"listen on a non-loopback --host without {API_KEY_ENV}: anyone who can "
         "reach the port may synthesize and read the status (warned at every start)",
     )
-    s.add_argument("--ref-audio-dir", help="folder whose files ref_audio may name")
-    s.add_argument("--max-queue", type=int, default=32)
+    s.add_argument(
+        "--ref-audio-dir",
+        help="folder whose files ref_audio may name (default: none; ref_audio is then inline audio only)",
+    )
+    s.add_argument(
+        "--max-queue", type=int, default=32, help="requests waiting for a slot before a 429"
+    )
     s.add_argument(
         "--max-sessions",
         type=_positive_int,
@@ -640,7 +684,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="MS",
         help="fault injection: every batch step sleeps MS per stream in it, as on a "
-        "slower host (drills and tests of the real-time admission)",
+        "slower host (drills and tests of the real-time admission; needs "
+        "--allow-fault-injection)",
+    )
+    s.add_argument(
+        "--allow-fault-injection",
+        action="store_true",
+        help="serve POST /v1/engine/fault (operator key when one is set) and allow "
+        "--fault-step-delay-ms: drills and tests, never production (without it: 404)",
     )
     s.add_argument(
         "--compute-dtype",
@@ -652,7 +703,12 @@ def build_parser() -> argparse.ArgumentParser:
         "bfloat16 weights for the talker; its weights' own dtype on a Mac or GPU. "
         "weights: always the weights' dtype)",
     )
-    s.add_argument("--max-input-chars", type=int, default=4000)
+    s.add_argument(
+        "--max-input-chars",
+        type=int,
+        default=4000,
+        help="longest input text, in characters (longer: a 400)",
+    )
     # a string default goes through `type`: a bad environment value is refused like a bad flag
     s.add_argument(
         "--text-start-tokens",
@@ -691,38 +747,56 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--server", required=True, help="engine URL, e.g. http://127.0.0.1:8880")
     v.add_argument(
-        "--mode", choices=["auto", "make-before-break", "break-before-make"], default="auto"
+        "--mode",
+        choices=["auto", "make-before-break", "break-before-make"],
+        default="auto",
+        help="swap mode (auto: make-before-break when both workers fit)",
     )
     v.add_argument("--no-pin", action="store_true", help="let the governor move away from it again")
     v.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the swap")
-    v.add_argument("--json", action="store_true")
+    v.add_argument("--json", action="store_true", help="print the change as JSON")
     v.set_defaults(fn=cmd_variant)
 
     y = sub.add_parser("say", help="synthesize one text in-process or through a server")
-    y.add_argument("text")
-    y.add_argument("--model")
-    y.add_argument("--variant")
-    y.add_argument("--voice")
-    y.add_argument("--language", default="auto")
-    y.add_argument("--instructions")
-    y.add_argument("--seed", type=int)
-    y.add_argument("--max-new-tokens", type=int)
-    y.add_argument("--first-chunk-frames", type=int, choices=[1, 2, 4], default=4)
+    y.add_argument("text", help="the text to speak")
+    y.add_argument("--model", help="hub id or local checkpoint (default: a tiny random one)")
+    y.add_argument(
+        "--variant",
+        help="precision to load or ask for: bf16, 8bit, 6bit, 4bit, ... (default: the model's)",
+    )
+    y.add_argument("--voice", help="speaker (default: the model's first)")
+    y.add_argument(
+        "--language", default="auto", help="language name, e.g. english (auto: detected)"
+    )
+    y.add_argument("--instructions", help="style instruction (VoiceDesign and 1.7B models)")
+    y.add_argument("--seed", type=int, help="sampling seed (default: random)")
+    y.add_argument("--max-new-tokens", type=int, help="frame cap (default: from the text)")
+    y.add_argument(
+        "--first-chunk-frames",
+        type=int,
+        choices=[1, 2, 4],
+        default=4,
+        help="frames in the first audio chunk",
+    )
     y.add_argument("--server", help="engine URL, e.g. http://127.0.0.1:8880")
     y.add_argument("--out", help="write a WAV file")
-    y.add_argument("--json", action="store_true")
+    y.add_argument("--json", action="store_true", help="print a JSON report")
     y.set_defaults(fn=cmd_say)
 
     d = sub.add_parser("demo", help="offline engine demo: server + streamed synthesis to a WAV")
-    d.add_argument("--model")
-    d.add_argument("--text", default="Hello! This is the Qwen3 TTS engine, streaming in chunks.")
-    d.add_argument("--out", default="out/demo.wav")
+    d.add_argument("--model", help="hub id or local checkpoint (default: a tiny random one)")
+    d.add_argument(
+        "--text",
+        default="Hello! This is the Qwen3 TTS engine, streaming in chunks.",
+        help="the text to speak",
+    )
+    d.add_argument("--out", default="out/demo.wav", help="WAV file to write")
     d.add_argument(
         "--max-new-tokens",
         type=int,
         help="frame cap (default: from the text; 25 for the tiny random checkpoint)",
     )
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", action="store_true", help="print a JSON report")
     d.set_defaults(fn=cmd_demo)
 
     from qwen3_tts_engine.quant.cli import add_parsers
@@ -765,7 +839,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"engine: default {ENGINE_BENCH_VARIANTS}; memory: default bf16",
     )
     b.add_argument("--model", help="checkpoint (default: a tiny random one)")
-    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--repeats", type=int, default=5, help="runs per measurement")
     b.add_argument(
         "--frames",
         type=_positive_int,

@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,13 +33,20 @@ def test_the_delay_line_carries_a_tcp_connection_both_ways():
                                 stdout=subprocess.PIPE, text=True)  # fmt: skip
         try:
             assert echo.stdout.readline().strip() == "up"
+            t0 = time.monotonic()
             with socket.create_connection((line.far, 9999), timeout=60) as c:
+                handshake = time.monotonic() - t0  # SYN there, SYN-ACK back: one round trip
+                t1 = time.monotonic()
                 c.sendall(b"hello through the line")
                 assert c.recv(64) == b"hello through the line"
+                echoed = time.monotonic() - t1  # the data there, its echo back: one more
                 assert c.getsockname()[0] == line.near  # it went out through the line's device
         finally:
             echo.wait(60)
     assert line.packets["near_to_far"] >= 3 and line.packets["far_to_near"] >= 2, line.packets
+    # the line delays: each round trip takes at least the RTT it emulates (a lower bound that
+    # holds at any speed: the forwarder holds every packet RTT/2 each way; never an upper bound)
+    assert handshake >= 0.020 and echoed >= 0.020, (handshake, echoed)
 
 
 def test_delay_lines_are_gone_after_use():

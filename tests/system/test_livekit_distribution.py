@@ -147,7 +147,8 @@ async def _crashed_job_gets_an_agent_back(server, keeper: CallKeeper, llm: Scrip
     await _until(
         lambda: caller.mic_subscribed is not None, "the agent's subscription to the microphone"
     )
-    caller.say(question)
+    # asked again after a LiveKit reconnect until answered (a resume may lose the answer's end)
+    caller.ask(question, answered=lambda: "noon" in caller.agent_transcript().lower())
     await _until(lambda: "noon" in caller.agent_transcript().lower(), "the first answer")
     lk = api.LiveKitAPI(server.http_url, server.api_key, server.api_secret)
     try:
@@ -444,7 +445,8 @@ async def test_two_workers(livekit_server, tiny_checkpoint, tmp_path, record_pro
         await _until(
             lambda: caller.mic_subscribed is not None, "the agent's subscription to the microphone"
         )
-        caller.say(load_turn_audio(speech_wav(QUESTION, sample_rate=RATE)))
+        caller.ask(load_turn_audio(speech_wav(QUESTION, sample_rate=RATE)),
+                   answered=lambda: "noon" in caller.agent_transcript().lower())  # fmt: skip
         await _until(lambda: caller.speech_end is not None, "the question to be spoken")
         t_term = time.monotonic()
         workers[survivor].send_signal(signal.SIGTERM)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import time
+from collections.abc import Callable
 
 import numpy as np
 from livekit import rtc
@@ -39,6 +40,9 @@ class Caller:
         # as LiveKit tells a publisher (once per track: a later subscriber is not told of)
         self.mic_subscribed: float | None = None
         self._speech: np.ndarray | None = None
+        # the question `ask` put, until answered: spoken again after each reconnect
+        self._question: tuple[np.ndarray, Callable[[], bool]] | None = None
+        self.asked_again = 0  # how often a reconnect made it ask again
         self._tasks: set[asyncio.Task] = set()
         self.room.on("track_subscribed", self._on_track)
         self.room.on("participant_attributes_changed", self._on_attributes)
@@ -48,6 +52,7 @@ class Caller:
             self.room.on(
                 event, lambda *_, e=event: self.connection_events.append((time.monotonic(), e))
             )
+        self.room.on("reconnected", self._ask_again)
 
     def _spawn(self, coro) -> None:
         task = asyncio.ensure_future(coro)
@@ -138,7 +143,26 @@ class Caller:
 
     def say(self, samples: np.ndarray) -> None:
         """Speak `samples` (int16 at RATE); `speech_end` is set once they are all played."""
-        self.speech_end, self._speech = None, samples
+        self.speech_end, self._speech, self._question = None, samples, None
+
+    def ask(self, samples: np.ndarray, answered: Callable[[], bool]) -> None:
+        """`say` a question, and say it again after each LiveKit reconnect until `answered()`:
+        a resumed transport may have lost what was in flight (the question's audio, the answer's
+        text or its stream's end), and a caller would ask again. `speech_end` stays the first
+        asking's."""
+        self.say(samples)
+        self._question = (samples, answered)
+
+    def _ask_again(self) -> None:
+        if self._question is None:
+            return
+        samples, answered = self._question
+        if answered():
+            self._question = None
+            return
+        self._speech = samples
+        self.asked_again += 1
+        self.connection_events.append((time.monotonic(), "asked again"))
 
     async def _microphone(self) -> None:
         """10 ms frames paced in real time: silence, or the speech given to `say`."""
@@ -151,7 +175,8 @@ class Caller:
                     chunk = speech[i : i + FRAME]
                     chunk = np.pad(chunk, (0, FRAME - len(chunk))) if len(chunk) < FRAME else chunk
                     n = await self._capture(chunk, start, n)
-                self.speech_end = time.monotonic() + self.source.queued_duration
+                if self.speech_end is None:  # (an `ask` said again keeps the first end)
+                    self.speech_end = time.monotonic() + self.source.queued_duration
             n = await self._capture(silence, start, n)
 
     async def _capture(self, chunk: np.ndarray, start: float, n: int) -> int:

@@ -317,9 +317,13 @@ class Handler:
                         "handler %s: unreadable message from its worker: %r", self.name, e
                     )
                 proc.join(timeout=5)
-                loop.call_soon_threadsafe(self._route, msg.Died(proc.exitcode), proc)
+                m = msg.Died(proc.exitcode)
+            try:
+                loop.call_soon_threadsafe(self._route, m, proc)
+            except RuntimeError:  # the loop is closed (the server ended first): nobody to tell
                 return
-            loop.call_soon_threadsafe(self._route, m, proc)
+            if isinstance(m, msg.Died):
+                return
 
     def _route(self, m: msg.FromWorker | msg.Died, proc) -> None:
         """On the event loop: a worker message to the request it is about, or to the handler."""
@@ -332,7 +336,8 @@ class Handler:
                 queue.put_nowait(m)
             if self.state == "starting":
                 self._control.put_nowait(m)
-            elif not self._stopping:
+            elif not self._stopping and not (self.state == "failed" and self.restarts == 0):
+                # (a first load that failed: start() raised it already, with the worker's words)
                 self._on_death(m.exitcode)
         elif isinstance(m, msg.MemoryReport):
             self.info["memory"] = m.memory

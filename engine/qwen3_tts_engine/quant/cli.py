@@ -317,8 +317,10 @@ def _add_eval_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--texts-file", help="one text per line instead of the built-in texts")
     p.add_argument("--seeds", default="0,1", help="sampling seeds, comma-separated (default 0,1)")
     p.add_argument("--max-new-tokens", type=int, help="frame cap per text (default: from the text)")
-    p.add_argument("--voice")
-    p.add_argument("--language", default="auto")
+    p.add_argument("--voice", help="speaker of the evaluated texts (default: the model's first)")
+    p.add_argument(
+        "--language", default="auto", help="language name, e.g. english (auto: detected)"
+    )
     p.add_argument("--instructions", help="voice description (VoiceDesign checkpoints need one)")
     p.add_argument(
         "--audio-items",
@@ -345,7 +347,7 @@ def add_parsers(sub) -> None:
     q.add_argument("--gptq", help=f"components quantized with GPTQ instead of RTN ({comps})")
     q.add_argument("--calibration-frames", type=int, help="frame cap per calibration text")
     q.add_argument("--force", action="store_true", help="replace a non-empty OUT folder")
-    q.add_argument("--json", action="store_true")
+    q.add_argument("--json", action="store_true", help="print a JSON report")
     q.set_defaults(fn=cmd_quantize)
 
     e = sub.add_parser("eval", help="quality of quantized candidates against a bf16 reference")
@@ -364,8 +366,16 @@ def add_parsers(sub) -> None:
     e.set_defaults(fn=cmd_eval)
 
     a = sub.add_parser("ablate", help="rank components by quantization damage, propose a recipe")
-    a.add_argument("--bits", type=int, default=4, choices=[2, 3, 4, 5, 6, 8])
-    a.add_argument("--group-size", type=int, default=64, choices=[32, 64, 128])
+    a.add_argument(
+        "--bits",
+        type=int,
+        default=4,
+        choices=[2, 3, 4, 5, 6, 8],
+        help="bits of the quantized components",
+    )
+    a.add_argument(
+        "--group-size", type=int, default=64, choices=[32, 64, 128], help="quantization group size"
+    )
     a.add_argument(
         "--keep-bits",
         default="8",

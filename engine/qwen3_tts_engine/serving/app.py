@@ -123,7 +123,8 @@ class EngineServer:
         except web.HTTPException as e:
             if e.status >= 400 and e.content_type != "application/json":
                 err = RequestError(e.reason or "error", status=e.status)
-                return web.json_response(err.to_json(), status=e.status)
+                kept = {k: e.headers[k] for k in ("Allow",) if k in e.headers}  # a 405's methods
+                return web.json_response(err.to_json(), status=e.status, headers=kept)
             raise
 
 

@@ -64,7 +64,7 @@ def refusal(
 def auth_middleware(rules: dict[str, str], api_key: str | None, operator_key: str | None,
                     refused: Callable[[RequestError], web.StreamResponse]):  # fmt: skip
     """aiohttp middleware: each route's rule (`rules`: "METHOD path" -> PUBLIC, API or OPERATOR;
-    a route not named needs the API key) is checked before its handler runs, a WebSocket's
+    a route not named needs the API key; HEAD follows GET's) is checked before its handler runs, a WebSocket's
     before its upgrade. `refused` answers (and counts) a refusal."""
 
     @web.middleware
@@ -72,7 +72,10 @@ def auth_middleware(rules: dict[str, str], api_key: str | None, operator_key: st
         resource = request.match_info.route.resource
         if resource is None:  # no such route: aiohttp's 404/405
             return await handler(request)
-        need = rules.get(f"{request.method} {resource.canonical}", API)
+        # HEAD is GET without a body (aiohttp adds it to every GET route): the same rule, so a
+        # load balancer's HEAD probe of a public route needs no key either
+        method = "GET" if request.method == "HEAD" else request.method
+        need = rules.get(f"{method} {resource.canonical}", API)
         if (
             why := refusal(request.headers.get("Authorization"), need, api_key, operator_key)
         ) is not None:

@@ -41,6 +41,12 @@ class OperatorRoutes:
             governor.listeners.append(self._count_swap)
 
     def routes(self) -> list[web.RouteDef]:
+        # the fault route exists only where the server was started to allow it: a drill setting
+        fault = (
+            [web.post("/v1/engine/fault", self.set_fault)]
+            if self.config.allow_fault_injection
+            else []
+        )
         return [
             web.get("/health", self.health),
             web.get("/ready", self.ready),
@@ -49,7 +55,7 @@ class OperatorRoutes:
             web.get("/v1/models", self.models),
             web.get("/v1/engine/status", self.status),
             web.post("/v1/engine/variant", self.set_variant),
-            web.post("/v1/engine/fault", self.set_fault),
+            *fault,
             web.get("/metrics", self.metrics_endpoint),
         ]
 
@@ -150,7 +156,8 @@ class OperatorRoutes:
         return web.json_response(change.to_json(), status=status)
 
     async def set_fault(self, request: web.Request) -> web.Response:
-        """Fault injection while serving (drills, tests; docs/fleet.md): {"step_delay_ms": X}
+        """Fault injection while serving (drills, tests; docs/fleet.md; served only with
+        `--allow-fault-injection`): {"step_delay_ms": X}
         makes every batch step of every handler's worker sleep X ms per stream in it from its
         next step on, as `--fault-step-delay-ms` does from the start; 0 switches it off."""
         try:

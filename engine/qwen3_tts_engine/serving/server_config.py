@@ -21,16 +21,18 @@ class ServerConfig:
     operator_key: str | None = None  # alone may change the variant; from QWEN3_TTS_OPERATOR_KEY
     # serve a non-loopback host without an API key (refused otherwise)
     insecure_no_auth: bool = False
+    # serve POST /v1/engine/fault (drills, tests: `--allow-fault-injection`); absent (404) otherwise
+    allow_fault_injection: bool = False
     ref_audio_dir: Path | None = None
     limits: Limits = field(default_factory=Limits)
-    max_body_bytes: int = 12 * 1024 * 1024
+    max_body_bytes: int = 12 * 1024 * 1024  # 12 MiB
     max_queue: int = 32
     retry_after_s: int = 2
     # streamed text (docs/engine-api.md): tokens before the first frame, tokens per frame at most
     text_start_tokens: int = DEFAULT_TEXT_START_TOKENS
     text_pace: float = DEFAULT_TEXT_PACE
     # a WebSocket client that stops reading is dropped (its utterance cancelled) when this much
-    # audio waits for it (1 MiB: ~11 s of audio, in the kernel and again in the transport), or
+    # audio waits for it (1 MiB: ~22 s of 24 kHz audio, in the kernel and again in the transport), or
     # when one frame takes longer than the timeout to go out
     ws_send_buffer_bytes: int = 1 << 20
     ws_send_timeout_s: float = 30.0

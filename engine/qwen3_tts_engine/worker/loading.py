@@ -32,6 +32,11 @@ from qwen3_tts_engine.protocol import AUTO_COMPUTE, check_compute_dtype
 from qwen3_tts_engine.worker.cpu_kernels import on_cpu, use_fast_cpu_kernels
 
 
+class ModelUnavailable(RuntimeError):
+    """A hub model that cannot be had here (offline, unknown id): the user's error, which the
+    server says in one line (the worker prints no traceback for it)."""
+
+
 def fetch(source: ModelSource) -> Path:
     """Local directory of the checkpoint; hub ids are downloaded (with progress bars)."""
     if source.local:
@@ -39,7 +44,7 @@ def fetch(source: ModelSource) -> Path:
     try:
         return Path(get_model_path(source.source))
     except Exception as e:  # huggingface_hub raises many types when offline
-        raise RuntimeError(
+        raise ModelUnavailable(
             f"cannot download {source.source!r} ({type(e).__name__}: {e}). Without a network, "
             "pass a local checkpoint directory, e.g. one made by `qwen3-tts tiny-checkpoint DIR`"
         ) from e

@@ -27,7 +27,13 @@ from qwen3_tts_engine.audio import pcm16
 from qwen3_tts_engine.models.variants import resolve
 from qwen3_tts_engine.priority import renice
 from qwen3_tts_engine.protocol import FRAME_RATE, RequestError, SpeechRequest
-from qwen3_tts_engine.worker.loading import describe, load, quantized_modules, release_freed_memory
+from qwen3_tts_engine.worker.loading import (
+    ModelUnavailable,
+    describe,
+    load,
+    quantized_modules,
+    release_freed_memory,
+)
 from qwen3_tts_engine.worker.loop_detector import DEFAULT_LOOP_RULES
 from qwen3_tts_engine.worker.measure import (
     kv_bytes_per_frame,
@@ -320,7 +326,8 @@ def worker_main(conn: Connection, spec: msg.WorkerSpec | None) -> None:
         model, info = _load(spec)
         conn.send(msg.Ready(info))
     except Exception as e:
-        traceback.print_exc()
+        if not isinstance(e, ModelUnavailable):  # that one the server says in one line
+            traceback.print_exc()
         conn.send(msg.LoadFailed(f"{type(e).__name__}: {e}"))
         return
     try:

@@ -67,7 +67,7 @@ async def slow_server(tiny_checkpoint):
 async def learning_server(tiny_checkpoint):
     """Two batch rows, a 2 s frame budget, no fault at first; a probe after 2 s of waiting."""
     srv = await _start({"max_batch": 2, "max_queue": 4, "frame_budget_s": 2.0, "probe_every_s": 2.0},
-                       tiny_checkpoint)  # fmt: skip
+                       tiny_checkpoint, allow_fault_injection=True)  # fmt: skip
     yield srv
     await srv.stop()
 

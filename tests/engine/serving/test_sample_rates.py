@@ -156,7 +156,7 @@ async def reference(engine_url) -> bytes:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rate", [8000, 16000])
+@pytest.mark.parametrize("rate", [8000, 16000, 48000])  # 48 kHz: upsampled by the server too
 async def test_post_pcm_and_wav_at_phone_rates(engine_url, reference, rate):
     """pcm (whole and streamed) and wav at the rate: the header says it, the WAV header says it,
     and the samples are the 24 kHz reference's resampled (FRAMES * 1920 * rate / 24000)."""

@@ -93,7 +93,8 @@ def test_insecure_no_auth_serves_every_interface_with_a_warning(tiny_checkpoint)
 async def keyed(tiny_checkpoint):
     model = str(tiny_checkpoint("custom_voice"))
     server = EngineServer(Engine(model, [Handler(model)]),
-                          ServerConfig(port=0, api_key=API_KEY, operator_key=OPERATOR_KEY))  # fmt: skip
+                          ServerConfig(port=0, api_key=API_KEY, operator_key=OPERATOR_KEY,
+                                       allow_fault_injection=True))  # fmt: skip
     await server.start()
     yield server
     await server.stop()

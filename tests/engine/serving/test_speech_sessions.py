@@ -150,6 +150,11 @@ async def test_sessions_closed_while_their_streams_wait_to_start_free_everything
 
 
 async def test_a_cancel_while_the_server_is_busy_stops_the_audio_within_a_chunk(server, session):
+    # every step sleeps 0.25 s per stream (the step-delay fault; the codes unchanged): a chunk
+    # takes seconds to make on any machine, so a cancel (a loopback message) is read before a
+    # second chunk is made, however fast the machine makes them
+    handler = server.engine.active
+    handler.set_step_delay(0.25)
     busy = asyncio.ensure_future(_post(server, input=LONG_TEXT, text_mode="dual"))  # the other row
     try:
         await _until_load(server, lambda x: x["running"] == 1, "the busy POST")
@@ -178,6 +183,7 @@ async def test_a_cancel_while_the_server_is_busy_stops_the_audio_within_a_chunk(
     finally:
         busy.cancel()
         await asyncio.gather(busy, return_exceptions=True)
+        handler.set_step_delay(0.0)
     await _until_load(server, lambda x: x["running"] == 0 and x["waiting"] == 0, "idle")
 
 

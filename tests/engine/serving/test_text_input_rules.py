@@ -26,11 +26,13 @@ from qwen3_tts_engine.dispatch.handler import HandlerError
 from qwen3_tts_engine.dispatch.text_input import TextInput
 from qwen3_tts_engine.protocol import (
     FRAME_SAMPLES,
+    HEADER_CAPPED,
     SPEECH_STREAM_PATH,
     SPEECH_STREAM_SUBPROTOCOL,
     Limits,
     parse_speech_request,
 )
+from qwen3_tts_engine.sentences import split_input
 from tests.support.speech_socket import client_session, engine_server, until_done
 
 pytestmark = pytest.mark.slow
@@ -225,6 +227,13 @@ async def _fuzz_post(client, text: str) -> None:
     else:
         assert r.status_code == 200, (ascii(text[:80]), r.text)
         assert len(r.content) > 0 and len(r.content) % (FRAME_SAMPLES * 2) == 0
+        # audio accepted: capped as asked (SHORT frames per piece the server speaks: the whole
+        # text in dual-track, its sentences in the prompt layout), and said so when it was
+        pieces = 1 if layout else len(split_input(text))
+        frames = len(r.content) // (FRAME_SAMPLES * 2)
+        assert frames <= SHORT * pieces, (ascii(text[:80]), frames, pieces)
+        if r.headers.get(HEADER_CAPPED) == "true":
+            assert frames >= SHORT, (ascii(text[:80]), frames)  # a piece ran to the cap
 
 
 async def _fuzz_socket(session, rng: random.Random, text: str) -> None:
@@ -244,6 +253,9 @@ async def _fuzz_socket(session, rng: random.Random, text: str) -> None:
         assert last["type"] == "response.done" and code is None, (ascii(text[:80]), last)
         audio = b"".join(e for e in events if isinstance(e, bytes))
         assert len(audio) == last["samples"] * 2 > 0
+        assert last["frames"] <= SHORT, (ascii(text[:80]), last)  # capped as asked
+        if last["capped"]:  # said capped: it did run to its cap
+            assert last["frames"] == SHORT, (ascii(text[:80]), last)
         # refused text can only be answered with audio by a stream that made its frames and
         # ended before the server read the refused piece (an error event follows the done)
         assert not _refused(text) or last["frames"] == SHORT, (ascii(text[:80]), last)
@@ -253,8 +265,9 @@ async def test_random_unicode_gets_a_4xx_or_audio_and_never_a_new_worker(server,
     """Seeded random Unicode (lone surrogates, combining marks, right-to-left text and marks,
     emoji ZWJ sequences, CJK, every C0 and C1 control character, format characters,
     noncharacters, a 10,000-character word) at POST and, cut into random pieces, at the socket,
-    four requests at a time (batched in the worker): each answer is a 4xx or audio, never a
-    5xx, and the worker keeps its pid throughout."""
+    four requests at a time (batched in the worker): each answer is a 4xx or audio (no more
+    frames than its cap), never a 5xx, and the worker keeps its pid throughout. 26 texts, each
+    at both doors: 52 requests."""
     worker = _worker(server)
     texts = _fuzz_inputs(26)
     assert (
@@ -263,6 +276,7 @@ async def test_random_unicode_gets_a_4xx_or_audio_and_never_a_new_worker(server,
     )
     rng = random.Random(7)
     jobs = [j for t in texts for j in (_fuzz_post(client, t), _fuzz_socket(session, rng, t))]
+    assert len(texts) == 26 and len(jobs) == 52
     for i in range(0, len(jobs), 4):
         await asyncio.gather(*jobs[i : i + 4])
         assert _worker(server) == worker

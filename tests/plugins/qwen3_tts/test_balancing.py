@@ -379,7 +379,7 @@ async def test_balanced_engine_killed_mid_sentence_fails_over_sample_exact(tiny_
     # each step sleeps KILL_MARGIN_MS per stream (a fault that only slows, the codes stay): the
     # sentence's last 4 frames take at least 4 x that after its first audio, so the kill lands
     # mid-sentence at any machine speed (only a 2 s stall of this test's own loop could miss it)
-    slow = ("--fault-step-delay-ms", str(KILL_MARGIN_MS))
+    slow = ("--allow-fault-injection", "--fault-step-delay-ms", str(KILL_MARGIN_MS))
     engines = {
         e.url: e
         for e in (

@@ -436,7 +436,7 @@ async def test_real_engine_killed_mid_sentence_without_seed(tiny_checkpoint):
     ckpt = tiny_checkpoint("custom_voice")
     # a's steps sleep 500 ms per stream (a fault that only slows; the codes stay): the sentence's
     # last 4 frames take 2 s after its first audio, so the kill lands mid-sentence at any speed
-    a = EngineProcess(ckpt, None, "--fault-step-delay-ms", "500").start()
+    a = EngineProcess(ckpt, None, "--allow-fault-injection", "--fault-step-delay-ms", "500").start()
     b = EngineProcess(ckpt).start()
     frames = 8
     tts = _tts([a.url, b.url], max_new_tokens=frames, strategy="priority")  # a first (balanced:
