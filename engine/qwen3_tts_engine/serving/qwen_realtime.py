@@ -22,7 +22,7 @@ from aiohttp import web
 from qwen3_tts_engine.dispatch.text_input import TextInput
 from qwen3_tts_engine.protocol import QWEN_REALTIME_PATH, RequestError, check_length
 from qwen3_tts_engine.serving.errors import RETRY_STATUSES
-from qwen3_tts_engine.serving.session_core import Backlog, split_parts
+from qwen3_tts_engine.serving.session_core import Backlog, check_fields, split_parts
 from qwen3_tts_engine.serving.socket_session import SocketHub, SocketSession, Utterance
 
 MODES = ("server_commit", "commit")
@@ -34,7 +34,6 @@ SESSION_FIELDS = {"voice": "voice", "language_type": "language", "instructions":
 # accepted and ignored: the hosted service's voice controls this model does not have
 IGNORED_FIELDS = ("speech_rate", "volume", "pitch_rate", "bit_rate", "enable_tn",
                   "optimize_instructions")  # fmt: skip
-MAX_SESSION_FIELDS = 64
 # an incomplete response's reason (the Realtime API's words) by the engine's finish_reason
 INCOMPLETE = {"length": "max_output_tokens", "repetition": "repetition"}
 
@@ -130,9 +129,7 @@ class QwenRealtimeSession(SocketSession):
             session = {}
         if not isinstance(session, dict):
             raise RequestError("session is a JSON object", param="session")
-        if len(session) > MAX_SESSION_FIELDS:
-            raise RequestError(f"session has {len(session)} fields; at most {MAX_SESSION_FIELDS}",
-                               param="session")  # fmt: skip
+        check_fields(session, "session", param="session")
         if self.finishing:
             raise RequestError("session.update after session.finish", param="session")
         mode = session.get("mode", self.mode)

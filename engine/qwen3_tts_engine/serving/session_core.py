@@ -65,6 +65,16 @@ def allowed(state: State | None, command: Command) -> bool:
     return command in ALLOWED[state]
 
 
+# A configure command names at most this many fields (POST's are ~30), in every dialect
+MAX_CONFIG_FIELDS = 64
+
+
+def check_fields(fields: dict, what: str, param: str | None = None) -> None:
+    if len(fields) > MAX_CONFIG_FIELDS:
+        raise RequestError(f"{what} has {len(fields)} fields; at most {MAX_CONFIG_FIELDS}",
+                           param=param)  # fmt: skip
+
+
 def check_piece(text: object, param: str, limits: Limits) -> str:
     """A piece of text as a message brings it: a string, well formed, and no longer than one
     utterance may be (POST's error for a long `input`), so a 3 MB message is refused before

@@ -19,11 +19,10 @@ from aiohttp import web
 
 from qwen3_tts_engine.protocol import SPEECH_STREAM_SUBPROTOCOL, RequestError
 from qwen3_tts_engine.serving.errors import RETRY_STATUSES
-from qwen3_tts_engine.serving.session_core import Command, allowed
+from qwen3_tts_engine.serving.session_core import Command, allowed, check_fields
 from qwen3_tts_engine.serving.socket_session import SocketHub, SocketSession, Utterance
 
 SUBPROTOCOL = SPEECH_STREAM_SUBPROTOCOL
-MAX_START_FIELDS = 64  # a session.start names at most this many fields (POST's are ~30)
 
 
 def error_event(error: RequestError, retry_after_s: int | None = None) -> dict:
@@ -60,10 +59,7 @@ class SpeechStreamSession(SocketSession):
             if not allowed(utt.state if utt else None, Command.CONFIGURE):
                 raise RequestError("the session has started already: the next session.start "
                                    "comes after this utterance's response.done")  # fmt: skip
-            if len(body) > MAX_START_FIELDS:
-                raise RequestError(
-                    f"session.start has {len(body)} fields; at most {MAX_START_FIELDS}"
-                )
+            check_fields(body, "session.start")
             await self._start({k: v for k, v in body.items() if k != "type"})
         elif kind not in ("input_text.append", "input_text.end", "response.cancel"):
             raise RequestError(f"unknown message type {kind!r}")

@@ -21,11 +21,10 @@ from aiohttp import web
 from qwen3_tts_engine.audio import encode_whole
 from qwen3_tts_engine.dispatch.text_input import TextInput
 from qwen3_tts_engine.protocol import CHUNK_FRAMES, RESPONSE_FORMATS, RequestError
-from qwen3_tts_engine.serving.session_core import SPLITS, Backlog, split_parts
+from qwen3_tts_engine.serving.session_core import SPLITS, Backlog, check_fields, split_parts
 from qwen3_tts_engine.serving.socket_session import SocketHub, SocketSession, Utterance
 
 PROTOCOL = "vllm_omni"
-MAX_CONFIG_FIELDS = 64
 # session.config's fields the engine honours -> the POST field each becomes ("speaker" is
 # vLLM-Omni's alias of voice; initial_codec_chunk_frames is mapped by `_first_chunk_frames`)
 CONFIG_FIELDS = {"model": "model", "voice": "voice", "speaker": "voice", "task_type": "task_type",
@@ -70,8 +69,7 @@ class Config:
 def parse_config(body: dict, prepare) -> Config:
     """A `session.config` message as vLLM-Omni reads it (`protocol/audio.py`'s
     StreamingSpeechSessionConfig); `prepare` (the service's) refuses a bad POST field now."""
-    if len(body) > MAX_CONFIG_FIELDS:
-        raise RequestError(f"session.config has {len(body)} fields; at most {MAX_CONFIG_FIELDS}")
+    check_fields(body, "session.config")
     for name, why in REFUSED_FIELDS.items():
         if body.get(name):
             raise RequestError(f"Invalid session config: {why}", param=name)
