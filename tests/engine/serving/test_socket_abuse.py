@@ -397,3 +397,32 @@ async def test_upgrades_reset_at_once_leave_no_traceback(server, session, dialec
     assert events[-1]["type"] == "response.done"
     tracebacks = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     assert not tracebacks, [r.getMessage() for r in tracebacks[:3]]
+
+
+@ALL
+async def test_floods_nested_json_and_hostile_text_end_the_session_on_every_dialect(
+    server, session, dialect, bounded
+):
+    """The cases above that are not about one dialect's messages, on each: a flood of empty
+    appends (ws_max_messages, 429), JSON nested past the parser (400), a lone surrogate in a
+    piece (400, `param` text: the worker's tokenizer never sees it)."""
+    limit = server.config.ws_max_messages
+    async with dialect.connect(session, API_KEY) as ws:
+        for message in dialect.start:
+            await ws.send_json(message)
+        for _ in range(limit + 10):
+            await ws.send_json(dialect.append(""))
+        error, closed = await until_error(ws)
+        assert dialect.status(error) == 429 and "ws_max_messages" in json.dumps(error)
+        assert closed.data == 1008
+    async with dialect.connect(session, API_KEY) as ws:
+        await ws.send_str("[" * 100_000 + "]" * 100_000)
+        error, closed = await until_error(ws)
+        assert dialect.status(error) == 400 and "JSON" in json.dumps(error) and closed.data == 1008
+    async with dialect.connect(session, API_KEY) as ws:
+        for message in dialect.start:
+            await ws.send_json(message)
+        await ws.send_json(dialect.append("Hi \ud83d"))
+        error, closed = await until_error(ws)
+        assert dialect.status(error) == 400 and "surrogate" in json.dumps(error)
+        assert closed.data == 1008
