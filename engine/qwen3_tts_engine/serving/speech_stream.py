@@ -1,11 +1,12 @@
 """`GET /v1/audio/speech/stream`: utterances whose text arrives while they are spoken, one after
 another on one WebSocket (the engine's own protocol; the session core is `socket_session.py`).
 
-Subprotocol `qwen3-tts.speech.v1`. For each utterance the client sends `session.start` (the
+Subprotocol `qwen3-tts.speech.v1` (an upgrade without it is vLLM-Omni's dialect,
+`vllm_omni_stream.py`; app.py picks). For each utterance the client sends `session.start` (the
 fields of `POST /v1/audio/speech`), then `input_text.append` pieces and `input_text.end` (or
 `response.cancel`); the server answers `session.created` (the utterance's id and `sample_rate`:
 the start's, 24 kHz by default), `input_text.ack`, binary PCM chunks (s16le mono at that rate),
-`response.first_audio` after the first chunk and `response.done`. The socket then stays open for
+`response.first_audio` after the first chunk and `response.done` (with its `finish_reason`). The socket then stays open for
 the next `session.start` (closed by the server, 1000, after `ws_keepalive_timeout_s` without
 one). An `error` event carries the status and body the same error gets on POST, and the server
 closes (1008 for a client error, 1011 for the server's). Closing the socket before

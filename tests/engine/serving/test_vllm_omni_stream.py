@@ -150,11 +150,18 @@ async def test_text_before_config_or_a_config_mid_utterance_is_an_error(server, 
         assert "send input.done first" in events[-1]["message"]
 
 
-async def test_the_wrong_key_is_refused_in_either_scheme(server, session):
+async def test_the_wrong_key_is_refused_in_either_scheme_and_the_right_one_takes_post(
+    server, session
+):
     for scheme in ("Api-Key", "Bearer"):
         with pytest.raises(aiohttp.WSServerHandshakeError) as e:
             await omni(session, scheme, "wrong")
         assert e.value.status == 401
+    body = {"input": "Hello.", "voice": "ryan", "response_format": "pcm"}
+    for key, status in ((API_KEY, 200), ("wrong", 401)):
+        async with session.post("/v1/audio/speech", json=body,
+                                headers={"Authorization": f"Api-Key {key}"}) as r:  # fmt: skip
+            assert r.status == status
 
 
 # -- LiveKit's client of the dialect, unchanged --------------------------------------------------
