@@ -36,6 +36,10 @@ class ServerConfig:
     # when one frame takes longer than the timeout to go out
     ws_send_buffer_bytes: int = 1 << 20
     ws_send_timeout_s: float = 30.0
+    # flow control: a stream takes no more audio from the engine while this many seconds of it
+    # wait unsent for its client (the transport's buffer and the kernel's send queue); the
+    # engine then pauses it (docs/engine-api.md, "Limits")
+    ws_ahead_s: float = 3.0
     # WebSocket sessions (docs/engine-api.md, "Limits"): at most max_sessions open (more: 429 at
     # the upgrade); a session's first text within ws_first_text_timeout_s of its upgrade, then a
     # message within ws_idle_timeout_s while its text is open, or it ends with a 408 `error`
@@ -50,5 +54,9 @@ class ServerConfig:
     # a socket with no utterance in progress (before its first, or between two) is closed (1000)
     # after this long: a warm socket lasts a call, not forever
     ws_keepalive_timeout_s: float = 300.0
+    # sentences one socket may have waiting for their turn (the hosted protocol's server_commit,
+    # vLLM-Omni's sentence splitting): past it, sentence ends are not cut and the text joins the
+    # last one waiting (bounded by max_input_chars), so the backlog is bounded
+    ws_max_pending: int = 64
     # voice names a request may use for the model's voices (OpenAI's by default)
     voice_aliases: dict[str, str] = field(default_factory=lambda: dict(OPENAI_VOICE_ALIASES))

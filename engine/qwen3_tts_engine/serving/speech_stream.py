@@ -1,11 +1,12 @@
 """`GET /v1/audio/speech/stream`: utterances whose text arrives while they are spoken, one after
 another on one WebSocket (the engine's own protocol; the session core is `socket_session.py`).
 
-Subprotocol `qwen3-tts.speech.v1`. For each utterance the client sends `session.start` (the
+Subprotocol `qwen3-tts.speech.v1` (an upgrade without it is vLLM-Omni's dialect,
+`vllm_omni_stream.py`; app.py picks). For each utterance the client sends `session.start` (the
 fields of `POST /v1/audio/speech`), then `input_text.append` pieces and `input_text.end` (or
 `response.cancel`); the server answers `session.created` (the utterance's id and `sample_rate`:
 the start's, 24 kHz by default), `input_text.ack`, binary PCM chunks (s16le mono at that rate),
-`response.first_audio` after the first chunk and `response.done`. The socket then stays open for
+`response.first_audio` after the first chunk and `response.done` (with its `finish_reason`). The socket then stays open for
 the next `session.start` (closed by the server, 1000, after `ws_keepalive_timeout_s` without
 one). An `error` event carries the status and body the same error gets on POST, and the server
 closes (1008 for a client error, 1011 for the server's). Closing the socket before
@@ -17,17 +18,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from qwen3_tts_engine.protocol import (
-    SPEECH_STREAM_PATH,
-    SPEECH_STREAM_SUBPROTOCOL,
-    RequestError,
-    check_text,
-)
+from qwen3_tts_engine.protocol import SPEECH_STREAM_SUBPROTOCOL, RequestError
 from qwen3_tts_engine.serving.errors import RETRY_STATUSES
+from qwen3_tts_engine.serving.session_core import Command, allowed, check_fields
 from qwen3_tts_engine.serving.socket_session import SocketHub, SocketSession, Utterance
 
 SUBPROTOCOL = SPEECH_STREAM_SUBPROTOCOL
-MAX_START_FIELDS = 64  # a session.start names at most this many fields (POST's are ~30)
 
 
 def error_event(error: RequestError, retry_after_s: int | None = None) -> dict:
@@ -44,8 +40,11 @@ class SpeechStreamRoutes:
     def __init__(self, hub: SocketHub) -> None:
         self.hub = hub
 
-    def routes(self) -> list[web.RouteDef]:
-        return [web.get(SPEECH_STREAM_PATH, self.stream)]
+    def offered(self, request: web.Request) -> bool:
+        """Whether the upgrade offers this protocol's subprotocol (the route is shared with
+        vLLM-Omni's dialect, `vllm_omni_stream.py`: app.py picks by this)."""
+        offered = request.headers.get("Sec-WebSocket-Protocol", "")
+        return SUBPROTOCOL in (p.strip() for p in offered.split(","))
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         return await self.hub.serve(request, SpeechStreamSession, (SUBPROTOCOL,), "speech_stream")
@@ -58,13 +57,10 @@ class SpeechStreamSession(SocketSession):
         kind = body["type"]
         utt = self.utterance
         if kind == "session.start":
-            if utt is not None and not utt.settled:
+            if not allowed(utt.state if utt else None, Command.CONFIGURE):
                 raise RequestError("the session has started already: the next session.start "
                                    "comes after this utterance's response.done")  # fmt: skip
-            if len(body) > MAX_START_FIELDS:
-                raise RequestError(
-                    f"session.start has {len(body)} fields; at most {MAX_START_FIELDS}"
-                )
+            check_fields(body, "session.start")
             await self._start({k: v for k, v in body.items() if k != "type"})
         elif kind not in ("input_text.append", "input_text.end", "response.cancel"):
             raise RequestError(f"unknown message type {kind!r}")
@@ -89,20 +85,18 @@ class SpeechStreamSession(SocketSession):
         rest of its text, its end, a second cancel. Text after its own end is an error."""
         text = self.utterance.text
         if kind == "input_text.append":
-            piece = body.get("text")
-            if not isinstance(piece, str):
-                raise RequestError("input_text.append needs a string `text`", param="text")
-            check_text(piece, "text")
+            self.check_piece(body.get("text"))
             if text.ended:
                 raise RequestError("input_text.append after input_text.end")
         elif kind == "input_text.end":
             text.end()
 
     async def _start(self, fields: dict) -> None:
-        utt = self.start_utterance(fields)
+        await self.open_utterance(fields)
+
+    async def send_started(self, utt: Utterance) -> None:
         await self.send_json({"type": "session.created", "id": utt.rid, "sample_rate": utt.req.sample_rate,
                               "variant": str(utt.req.variant or self.service.engine.active.variant)})  # fmt: skip
-        self.begin()
 
     def error_event(self, error: RequestError) -> dict:
         return error_event(error, self.config.retry_after_s)
