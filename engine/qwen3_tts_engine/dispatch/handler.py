@@ -142,6 +142,7 @@ class Handler:
         # lent their slot (`messages.Held`: their consumer or their text is behind)
         self._costs: dict[str, int] = {}
         self._held: dict[str, int] = {}
+        self._texts: dict[str, TextInput] = {}  # each streamed-text request's text
         self._idle = asyncio.Event()
         self._idle.set()
         self._ready = asyncio.Event()
@@ -354,7 +355,12 @@ class Handler:
             self._slots.wake(probe=True)  # the slots may have grown; or try one more
         elif isinstance(m, msg.Held):
             self._hold(m)
-        elif isinstance(m, msg.Chunk | msg.TextCommitted | msg.Done | msg.Failed):
+        elif isinstance(m, msg.TextCommitted):
+            # here, not in the stream's loop: the count (the socket's ack) stays current while
+            # its consumer is held
+            if (text := self._texts.get(m.id)) is not None:
+                text.tokens = m.tokens
+        elif isinstance(m, msg.Chunk | msg.Done | msg.Failed):
             if (queue := self._streams.get(m.id)) is not None:
                 queue.put_nowait(m)
         # a message of a request that is gone (cancelled and acknowledged) is dropped
@@ -524,6 +530,8 @@ class Handler:
         inbox: asyncio.Queue = asyncio.Queue()
         self._streams[req_id] = inbox
         self._costs[req_id] = cost
+        if text is not None:
+            self._texts[req_id] = text
         finished = False
         index = 0
         try:
@@ -542,10 +550,7 @@ class Handler:
                         f"the TTS worker died during synthesis (exit code {m.exitcode})"
                         + ("" if self._stopping else "; it is being restarted")
                     )
-                if isinstance(m, msg.TextCommitted):
-                    if text is not None:
-                        text.tokens = m.tokens
-                elif isinstance(m, msg.Chunk):
+                if isinstance(m, msg.Chunk):
                     if result.first_audio_s is None:
                         result.first_audio_s = time.perf_counter() - t0
                     yield AudioChunk(m.pcm, m.frames, m.compute_s, index)
@@ -575,6 +580,7 @@ class Handler:
             finally:
                 self._streams.pop(req_id, None)
                 self._costs.pop(req_id, None)
+                self._texts.pop(req_id, None)
                 if (held := self._held.pop(req_id, None)) is not None:
                     self._slots.unpark(held)  # synthesize() releases its slot next
 

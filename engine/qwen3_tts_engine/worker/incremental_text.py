@@ -13,9 +13,9 @@ NFC could compose with the next one, and a tail that could still become an added
 The work per piece is bounded, whatever the script: at most `HELD_MAX` characters are held back.
 Text with no safe boundary for that long (CJK without punctuation is one pre-tokenizer chunk, as
 is a long run of letters, spaces or combining marks) gets a forced commit point: the text held is
-tokenized in a window of `HELD_MAX` + `MARGIN` characters and committed up to the window's last
-clean token boundary at least `MARGIN` characters before its end (`MARGIN` covers the longest
-added token). BPE merges are local, so with that much text after it such a boundary is almost
+tokenized in a window of `HELD_MAX` + margin characters and committed up to the window's last
+clean token boundary at least the margin before its end (`MIN_MARGIN`, or the longest added
+token if longer: an added token is never cut). BPE merges are local, so with that much text after it such a boundary is almost
 always one the whole text has too: the ids equal the whole text's (tests/engine/worker/
 test_incremental_text.py shows it on a BPE with CJK merges); where a merge did span it, the two
 sides are tokenized apart (the same characters, a different split: the talker reads the same
@@ -32,9 +32,8 @@ import unicodedata
 _TEMPLATE_HEAD = "assistant\n"
 _TEMPLATE_IDS = 2
 HELD_MAX = 64  # characters held back at most: past this, a commit point is forced
-MIN_MARGIN = (
-    16  # characters a forced cut leaves behind it in its window (or the longest added token)
-)
+# the characters a forced cut leaves after it in its window: this, or the longest added token
+MIN_MARGIN = 16
 # A piece's own characters are read by the tokenizer at most this often (once for its natural
 # boundary, once when committed, at most twice in the overlapping windows of forced cuts);
 # `reread_max` counts the reading beyond that: of earlier pieces' text, bounded by HELD_MAX.

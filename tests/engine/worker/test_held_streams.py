@@ -89,8 +89,10 @@ async def test_streams_whose_consumers_stop_reading_lend_their_slots(server):
         held = [engine.stream(_req(seed=s), result=Result()) for s in (1, 2)]
         for it in held:
             stack.push_async_callback(it.aclose)
-        got = [[await anext(it)] for it in held]  # each reads its first chunk, then stops reading
-        load = await _until_load(server, lambda lo: lo.held == SLOTS)
+        got = []
+        for n, it in enumerate(held, 1):  # one after the other: every stream here runs alone,
+            got.append([await anext(it)])  # so its codes are its solo run's, float for float
+            load = await _until_load(server, lambda lo, n=n: lo.held == n)  # read one, then none
         assert (load.running, load.waiting, load.free_slots) == (0, 0, SLOTS)
         assert engine.active.batching.get("held_streams", SLOTS) <= SLOTS
 
@@ -119,19 +121,23 @@ async def test_streams_waiting_for_their_text_lend_their_slots(server):
             async with contextlib.aclosing(engine.stream(req, text=text)) as chunks:
                 return await _samples(chunks)
 
-        readers = [asyncio.create_task(read(r, t)) for r, t in zip(reqs, texts, strict=True)]
+        readers = []
         try:
-            # both start, speak the text they have, and wait out of the batch for more
-            load = await _until_load(server, lambda lo: lo.held == SLOTS)
+            # each starts, speaks the text it has and waits out of the batch for more (one after
+            # the other, and they finish one after the other: each runs alone, as its solo run)
+            for n, (req, text) in enumerate(zip(reqs, texts, strict=True), 1):
+                readers.append(asyncio.create_task(read(req, text)))
+                load = await _until_load(server, lambda lo, n=n: lo.held == n)
             assert load.running == 0 and not any(r.done() for r in readers)
             before = engine.active.batching.get("text_waits")
 
             await _third_speaks_while_held(server)
 
-            for text in texts:
+            samples = []
+            for text, reader in zip(texts, readers, strict=True):
                 text.append(rest)
                 text.end()
-            samples = await asyncio.gather(*readers)
+                samples.append(await reader)
         finally:
             for r in readers:
                 r.cancel()
