@@ -145,3 +145,22 @@ async def test_streams_waiting_for_their_text_lend_their_slots(server):
         for req, n in zip(reqs, samples, strict=True):
             assert n == await _solo(engine, req, TEXT)
     assert before is None or before >= 1
+
+
+async def test_a_held_consumers_text_is_still_acknowledged(server):
+    """The committed token count (a socket's `input_text.ack`) follows the worker while the
+    stream's consumer is held: it is not left in the messages the consumer has not read."""
+    engine = server.engine
+    # more text than its first two chunks speak: it is held by its consumer, not by its text
+    text = TextInput("Hold this line for a while, please, and then a little longer, as long as ")
+    async with asyncio.timeout(HANG_GUARD_S):
+        chunks = engine.stream(_req(seed=5, text_stream=True), text=text)
+        async with contextlib.aclosing(chunks):
+            await anext(chunks)  # then no more reading
+            await _until_load(server, lambda lo: lo.held == 1)
+            before = text.tokens
+            text.append("and then some more words, ")
+            while text.tokens <= before:
+                await asyncio.sleep(0.02)
+            assert (await _load(server)).held == 1
+    await _until_load(server, lambda lo: (lo.running, lo.held) == (0, 0))
