@@ -26,7 +26,7 @@ from livekit.plugins.qwen3_tts.balance import Candidate, pick
 from livekit.plugins.qwen3_tts.fleet import Capacity, free_slots
 from livekit.plugins.qwen3_tts.protocol import FRAME_SAMPLES
 from qwen3_tts_engine import Engine, EngineServer, Handler, ServerConfig
-from qwen3_tts_engine.protocol import Limits
+from qwen3_tts_engine.protocol import Limits, LoadReport
 from tests.support.engine_process import EngineProcess, free_port
 from tests.support.tts_audio import pcm, synthesize
 
@@ -121,13 +121,14 @@ def _url(srv: EngineServer) -> str:
     return f"http://{srv.config.host}:{srv.port}"
 
 
-async def _loads(servers) -> dict[str, Capacity]:
+async def _loads(servers) -> dict[str, LoadReport]:
+    """Each engine's own /load (the engine's report: `held` too, which the plugin does not read)."""
     async with httpx.AsyncClient(timeout=30) as client:
-        return {_url(s): Capacity.from_json((await client.get(f"{_url(s)}/load")).json())
+        return {_url(s): LoadReport.from_json((await client.get(f"{_url(s)}/load")).json())
                 for s in servers}  # fmt: skip
 
 
-async def _until_loads(servers, what: str, ok) -> dict[str, Capacity]:
+async def _until_loads(servers, what: str, ok) -> dict[str, LoadReport]:
     async with asyncio.timeout(HANG_GUARD_S):
         while not ok(loads := await _loads(servers)):
             await asyncio.sleep(0.05)
