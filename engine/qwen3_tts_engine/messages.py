@@ -4,7 +4,9 @@ The HTTP contract is `protocol.py`; this is the one inside the engine. Every mes
 these small dataclasses, pickled whole. The server's side is `dispatch/handler.py`, the worker's
 `worker/main.py`. Flow control, per stream: a chunk counts as taken when the server's consumer
 asks for the next one (`Taken` carries the count); the worker pauses a stream (out of the batch)
-while `MAX_UNTAKEN` chunks it sent are untaken.
+while `MAX_UNTAKEN` chunks it sent are untaken. A stream with nothing to compute (paused so, or
+waiting for streamed text) is "held": the worker says so (`Held`), and the server gives its
+real-time slot back meanwhile (`dispatch/capacity.py`).
 """
 
 from __future__ import annotations
@@ -122,6 +124,16 @@ class TextCommitted:
 
 
 @dataclass(frozen=True)
+class Held:
+    """A stream is held (`held` True: no batch row, nothing to compute until its consumer takes a
+    chunk or its text arrives) or runs again (False). `reason`: "consumer" or "text"."""
+
+    id: str
+    held: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Done:
     id: str
     stats: dict = field(default_factory=dict)
@@ -165,5 +177,5 @@ class Died:
 
 ToWorker = (Synthesize | Cancel | Taken | AppendText | EndText | StepDelay | QueryMemory | Stop
             | WorkerSpec)  # fmt: skip
-FromWorker = (SpareReady | Ready | LoadFailed | Chunk | TextCommitted | Done | Failed | MemoryReport
-              | BatchingReport | StepTimes)  # fmt: skip
+FromWorker = (SpareReady | Ready | LoadFailed | Chunk | TextCommitted | Held | Done | Failed
+              | MemoryReport | BatchingReport | StepTimes)  # fmt: skip

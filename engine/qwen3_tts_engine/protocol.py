@@ -438,7 +438,7 @@ class LoadReport:
     """`GET /load`, and `capacity` in `GET /v1/engine/status`: how much more this engine takes
     (docs/fleet.md). Cheap: the server answers from what it holds, without asking a worker."""
 
-    running: int  # streams admitted and not finished (every handler)
+    running: int  # streams admitted and not finished (every handler), less the `held` ones
     waiting: int  # requests queued, not yet admitted
     max_batch: int  # configured batch rows of the serving handler
     slots: (
@@ -468,6 +468,9 @@ class LoadReport:
     stream_memory_bytes: int = 0
     stream_memory_budget_bytes: int | None = None
     waiting_for_memory: bool = False
+    # Streams admitted that lent their slot (not in `running`, `server_load` or the free-slot
+    # count): nothing to compute until their client reads or their streamed text comes
+    held: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -30,6 +30,16 @@ The model learns both ways:
 
 Slots open one size at a time: at most one more than the largest size measured.
 
+Held streams lend their slots. A stream with nothing to compute (its consumer has not taken
+its chunks, or its streamed text is open and used up: `messages.Held`) is `park`ed: it leaves
+`running`, so a waiting request may start in its slot, while its memory still counts (its
+cache rows are kept for it). When it can run again it takes a slot back at once (`unpark`),
+ahead of every waiting request and even over the limit: it was admitted, its listener is
+waiting, and its KV cache is already built; the batch is then over its slots until streams
+end, and no new request starts meanwhile. At most `max_parked` streams lend their slots (the
+handler: two per batch row); one more keeps its slot, as before, so held streams cannot pile
+up without bound.
+
 Steps slowed by a fixed time per stream (the fault injection, `messages.StepDelay`) put at least
 that time per stream into every measured size, so a measured size over the budget stays over it.
 """
@@ -49,6 +59,7 @@ BUDGET_ENV = "QWEN3_TTS_FRAME_BUDGET_MS"
 WINDOW = 16  # steps kept per batch size: four 4-frame chunks, so vocoder steps are averaged in
 MAX_AGE_S = 60.0  # a sample this much older than the newest sample (of any size) is dropped
 PROBE_EVERY_S = 30.0  # while streams wait, one stream over the slots at most this often
+PARKED_PER_ROW = 2  # held streams that lend their slots, per batch row (`Admission.max_parked`)
 
 
 def parse_budget_ms(text: str | None) -> float | None:
@@ -177,10 +188,11 @@ class StepModel:
 
 class Admission:
     """FIFO admission: a request starts while fewer than `limit()` requests run and, where there
-    is a memory rule, `fits(costs)` holds for the costs of the requests running and its own (a
-    request's cost: its frame budget); the others wait in arrival order. `wake()` re-checks after
-    the limit changed (a step report). A request starts when none runs whatever its cost (alone
-    over the budget it would wait forever; the governor is the backstop).
+    is a memory rule, `fits(costs)` holds for the costs of the requests running or parked and its
+    own (a request's cost: its frame budget); the others wait in arrival order. `wake()`
+    re-checks after the limit changed (a step report). A request starts when none runs or is
+    parked whatever its cost (alone over the budget it would wait forever; the governor is the
+    backstop). `park` / `unpark`: a held request lends its slot (module docstring).
 
     The probe: `wake(probe=True)` (the handler's step reports) admits one request over the limit
     when requests have waited `probe_every_s` without a break, no probe came in the last
@@ -190,13 +202,16 @@ class Admission:
     def __init__(self, limit: Callable[[], int], *, most: int | None = None,
                  probe_every_s: float | None = PROBE_EVERY_S,
                  clock: Callable[[], float] = time.monotonic,
-                 fits: Callable[[list[int]], bool] | None = None) -> None:  # fmt: skip
+                 fits: Callable[[list[int]], bool] | None = None,
+                 max_parked: int | None = None) -> None:  # fmt: skip
         self.limit = limit
         self.most = most  # None: no probes
         self.probe_every_s = probe_every_s  # None: no probes
         self.clock = clock
         self.fits = fits  # None: no memory rule
-        self.held: list[int] = []  # the costs of the requests running
+        self.max_parked = max_parked  # None: any number of held requests lend their slots
+        self.held: list[int] = []  # the costs of the requests running (holding a slot)
+        self.parked: list[int] = []  # the costs of held requests that lent their slots
         self.probes = 0  # requests admitted over the limit so far
         self._waiters: deque[tuple[asyncio.Future, int]] = deque()
         self._waiting_since: float | None = None  # the queue has not been empty since
@@ -225,6 +240,26 @@ class Admission:
         self.held.remove(cost)
         self.wake()
 
+    def park(self, cost: int = 0) -> bool:
+        """A running request is held: it lends its slot (its memory still counts) and a waiting
+        one may start. False: `max_parked` requests already lend theirs (it keeps its slot)."""
+        if self.max_parked is not None and len(self.parked) >= self.max_parked:
+            return False
+        self.held.remove(cost)
+        self.parked.append(cost)
+        self.wake()
+        return True
+
+    def unpark(self, cost: int = 0) -> None:
+        """A held request runs again: it takes a slot back at once, over the limit if need be."""
+        self.parked.remove(cost)
+        self.held.append(cost)
+
+    @property
+    def costs(self) -> list[int]:
+        """The costs whose memory is held: running requests and parked ones."""
+        return [*self.held, *self.parked]
+
     @property
     def running(self) -> int:
         return len(self.held)
@@ -237,7 +272,8 @@ class Admission:
         return not self._memory_allows(self._head_cost())
 
     def _memory_allows(self, cost: int) -> bool:
-        return self.fits is None or self.running == 0 or self.fits([*self.held, cost])
+        alone = self.running == 0 and not self.parked
+        return self.fits is None or alone or self.fits([*self.costs, cost])
 
     def _head_fits(self) -> bool:
         """A request waits and the first one's memory fits."""

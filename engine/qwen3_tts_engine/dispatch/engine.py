@@ -187,13 +187,15 @@ class Engine:
     ) -> LoadReport:
         """What this engine takes now (`GET /load`, and `/ready`: ready while `state` is
         serving): streams running and waiting over every handler, the serving handler's real-time
-        slots, its state and the governor's memory. `swapping`: the governor is between variants
-        (either mode: a router sends new work elsewhere meanwhile); `started`: the governor has
-        fixed its ladder; `memory`: its reading and band.
+        slots, its state and the governor's memory (held streams, whose client or text is behind,
+        lent their slots: counted apart, not as running). `swapping`: the governor is between
+        variants (either mode: a router sends new work elsewhere meanwhile); `started`: the
+        governor has fixed its ladder; `memory`: its reading and band.
 
         Free and full: `free_slots` below."""
         handlers = self.all_handlers()
-        running = sum(h.in_flight for h in handlers)
+        held = sum(h.held for h in handlers)  # they lent their slots (capacity.py)
+        running = sum(h.in_flight for h in handlers) - held
         waiting = sum(h.waiting for h in handlers) + self.gap_waiting
         active = self.active
         if active.state in ("starting", "failed") or not started:
@@ -219,7 +221,7 @@ class Engine:
             memory_load=round(mem_load, 4),
             stream_memory_bytes=sum(h.stream_memory for h in handlers),
             stream_memory_budget_bytes=active.memory_budget,
-            waiting_for_memory=any(h.waiting_for_memory for h in handlers),
+            waiting_for_memory=any(h.waiting_for_memory for h in handlers), held=held,
         )  # fmt: skip
 
     # -- swap primitives (the governor's) ---------------------------------------------------

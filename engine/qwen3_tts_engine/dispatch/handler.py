@@ -5,8 +5,9 @@ pipe between them). It is started (load + warm-up), serves up to `max_batch` syn
 (its worker batches them: `worker/scheduler.py`), or fewer: only as many as its worker's
 measured steps keep in real time (`capacity.py`) and whose memory fits its memory budget
 (`memory_budget`, counted by `models/stream_memory.py`), with a bounded FIFO queue for the rest
-whose wait is measured; it can be drained and stopped, and restarts its worker when that dies. The governor swaps
-handlers; the server routes requests to them.
+whose wait is measured (a held stream, whose consumer or text is behind, lends its slot
+meanwhile: `capacity.py`); it can be drained and stopped, and restarts its worker when that
+dies. The governor swaps handlers; the server routes requests to them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import psutil
 
 from qwen3_tts_engine import messages as msg
 from qwen3_tts_engine.dispatch.capacity import (
+    PARKED_PER_ROW,
     PROBE_EVERY_S,
     Admission,
     StepModel,
@@ -139,7 +141,12 @@ class Handler:
         self.in_flight = 0
         # FIFO beyond the streams in real time; a step report may admit one over (a probe)
         self._slots = Admission(lambda: self.slots, most=max_batch, probe_every_s=probe_every_s,
-                                fits=self._memory_fits)  # fmt: skip
+                                fits=self._memory_fits, max_parked=PARKED_PER_ROW * max_batch)  # fmt: skip
+        # Flow control: each running request's admission cost, and those of the held ones that
+        # lent their slot (`messages.Held`: their consumer or their text is behind)
+        self._costs: dict[str, int] = {}
+        self._held: dict[str, int] = {}
+        self._texts: dict[str, TextInput] = {}  # each streamed-text request's text
         self._idle = asyncio.Event()
         self._idle.set()
         self._ready = asyncio.Event()
@@ -186,6 +193,12 @@ class Handler:
         return self.waiting + self.in_flight
 
     @property
+    def held(self) -> int:
+        """Streams in flight that lent their slot: nothing to compute until their consumer takes
+        a chunk or their text comes (`capacity.py`: they are not `running` meanwhile)."""
+        return len(self._held)
+
+    @property
     def slots(self) -> int:
         """Streams this handler keeps in real time now (1..max_batch): its measured step time
         against the frame budget (`capacity.py`); max_batch without a budget."""
@@ -215,7 +228,7 @@ class Handler:
     def stream_memory(self) -> int:
         """Bytes the running streams hold at their largest (`StreamLayout.batch_bytes`)."""
         layout = self.stream_layout
-        return layout.batch_bytes(self._slots.held) if layout is not None else 0
+        return layout.batch_bytes(self._slots.costs) if layout is not None else 0
 
     @property
     def waiting_for_memory(self) -> bool:
@@ -350,10 +363,29 @@ class Handler:
             self.step_samples.extend(m.steps)
             self.underruns += m.underruns
             self._slots.wake(probe=True)  # the slots may have grown; or try one more
-        elif isinstance(m, msg.Chunk | msg.TextCommitted | msg.Done | msg.Failed):
+        elif isinstance(m, msg.Held):
+            self._hold(m)
+        elif isinstance(m, msg.TextCommitted):
+            # here, not in the stream's loop: the count (the socket's ack) stays current while
+            # its consumer is held
+            if (text := self._texts.get(m.id)) is not None:
+                text.tokens = m.tokens
+        elif isinstance(m, msg.Chunk | msg.Done | msg.Failed):
             if (queue := self._streams.get(m.id)) is not None:
                 queue.put_nowait(m)
         # a message of a request that is gone (cancelled and acknowledged) is dropped
+
+    def _hold(self, m: msg.Held) -> None:
+        """A stream is held (its slot is lent, `capacity.Admission.park`) or runs again. Here,
+        not in the stream's own loop: a held consumer is not reading its messages."""
+        cost = self._costs.get(m.id)
+        if cost is None:
+            return  # it ended meanwhile
+        if m.held and m.id not in self._held:
+            if self._slots.park(cost):
+                self._held[m.id] = cost
+        elif not m.held and m.id in self._held:
+            self._slots.unpark(self._held.pop(m.id))
 
     def _kill(self) -> None:
         if self._proc is not None and self._proc.is_alive():
@@ -471,7 +503,7 @@ class Handler:
                 # aclosing: an abandoned stream cancels the worker's synthesis and waits for its
                 # acknowledgement before its slot passes on (not later, when it is collected).
                 async with contextlib.aclosing(
-                    self._run(req, ref_audio, result, t0, text)
+                    self._run(req, ref_audio, result, t0, text, cost)
                 ) as chunks:
                     async for chunk in chunks:
                         yield chunk
@@ -503,10 +535,13 @@ class Handler:
             raise HandlerDraining(f"handler {self.name} is {self.state}")
 
     async def _run(self, req, ref_audio, result: Result, t0: float,
-                   text: TextInput | None = None) -> AsyncIterator[AudioChunk]:  # fmt: skip
+                   text: TextInput | None = None, cost: int = 0) -> AsyncIterator[AudioChunk]:  # fmt: skip
         req_id = f"r{next(_ids)}"
         inbox: asyncio.Queue = asyncio.Queue()
         self._streams[req_id] = inbox
+        self._costs[req_id] = cost
+        if text is not None:
+            self._texts[req_id] = text
         finished = False
         index = 0
         try:
@@ -525,10 +560,7 @@ class Handler:
                         f"the TTS worker died during synthesis (exit code {m.exitcode})"
                         + ("" if self._stopping else "; it is being restarted")
                     )
-                if isinstance(m, msg.TextCommitted):
-                    if text is not None:
-                        text.tokens = m.tokens
-                elif isinstance(m, msg.Chunk):
+                if isinstance(m, msg.Chunk):
                     if result.first_audio_s is None:
                         result.first_audio_s = time.perf_counter() - t0
                     yield AudioChunk(m.pcm, m.frames, m.compute_s, index)
@@ -557,6 +589,10 @@ class Handler:
                     await _uninterrupted(self._cancel(req_id, inbox))
             finally:
                 self._streams.pop(req_id, None)
+                self._costs.pop(req_id, None)
+                self._texts.pop(req_id, None)
+                if (held := self._held.pop(req_id, None)) is not None:
+                    self._slots.unpark(held)  # synthesize() releases its slot next
 
     def _send(self, m: msg.ToWorker) -> None:
         try:

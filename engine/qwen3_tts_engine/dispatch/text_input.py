@@ -21,6 +21,8 @@ class TextInput:
 
     @property
     def text(self) -> str:
+        """All the text so far: joins every piece (its cost grows with the text), so it is read
+        once (an attach, the end's checks), never per piece; `chars` is the running count."""
         return "".join(self.pieces)
 
     def append(self, text: str) -> None:

@@ -8,8 +8,18 @@ across chunks, so an id is final once the chunking before it is final. A boundar
 only where that holds whatever follows: the trailing chunk (a partial word) is held back, and so
 is trailing whitespace (a run of whitespace re-splits with what follows it), a character that
 NFC could compose with the next one, and a tail that could still become an added token
-(`<think>`). CJK text without punctuation is one chunk: it is committed at punctuation or the
-end. `end()` commits the rest.
+(`<think>`). `end()` commits the rest.
+
+The work per piece is bounded, whatever the script: at most `HELD_MAX` characters are held back.
+Text with no safe boundary for that long (CJK without punctuation is one pre-tokenizer chunk, as
+is a long run of letters, spaces or combining marks) gets a forced commit point: the text held is
+tokenized in a window of `HELD_MAX` + margin characters and committed up to the window's last
+clean token boundary at least the margin before its end (`MIN_MARGIN`, or the longest added
+token if longer: an added token is never cut). BPE merges are local, so with that much text after it such a boundary is almost
+always one the whole text has too: the ids equal the whole text's (tests/engine/worker/
+test_incremental_text.py shows it on a BPE with CJK merges); where a merge did span it, the two
+sides are tokenized apart (the same characters, a different split: the talker reads the same
+text). Each piece thus costs the tokenizer its own length plus at most a bounded re-read.
 """
 
 from __future__ import annotations
@@ -21,6 +31,13 @@ import unicodedata
 # of the template's own the reference drops there (`input_id[:, 3:]`: `<|im_start|>` + these 2)
 _TEMPLATE_HEAD = "assistant\n"
 _TEMPLATE_IDS = 2
+HELD_MAX = 64  # characters held back at most: past this, a commit point is forced
+# the characters a forced cut leaves after it in its window: this, or the longest added token
+MIN_MARGIN = 16
+# A piece's own characters are read by the tokenizer at most this often (once for its natural
+# boundary, once when committed, at most twice in the overlapping windows of forced cuts);
+# `reread_max` counts the reading beyond that: of earlier pieces' text, bounded by HELD_MAX.
+READS_PER_CHAR = 4
 
 
 def chat_text(text: str) -> str:
@@ -42,6 +59,8 @@ class IncrementalText:
         added = sorted(tokenizer.added_tokens_encoder, key=len, reverse=True)
         self._added = added
         self._added_re = re.compile("|".join(re.escape(t) for t in added)) if added else None
+        self._added_firsts = {t[0] for t in added}
+        self.margin = max(MIN_MARGIN, *(len(t) for t in added))
         self._pending = _TEMPLATE_HEAD  # NFC text not committed yet, from a committed boundary
         self._skip = _TEMPLATE_IDS
         # the 3 role ids the reference takes from the chat text (`input_id[:, :3]`)
@@ -49,6 +68,11 @@ class IncrementalText:
         self.ids: list[int] = []
         self.chars = 0  # characters received (before normalization)
         self.ended = False
+        # the tokenizer's work: characters it read for one piece beyond READS_PER_CHAR per
+        # character of the piece (the re-reading of earlier pieces' text), the most so far
+        self.reread_max = 0
+        self.forced = 0  # forced commit points so far
+        self._read = 0  # characters given to the tokenizer by the current call
 
     @property
     def held(self) -> str:
@@ -61,9 +85,14 @@ class IncrementalText:
         if self.ended:
             raise ValueError("text appended after the end")
         self.chars += len(text)
+        self._read = 0
         # NFC(NFC(a) + b) == NFC(a + b): the pending text stays normalized as pieces come
         self._pending = unicodedata.normalize("NFC", self._pending + text)
-        return self._commit(self._stable_cut())
+        ids = self._commit(self._stable_cut())
+        if len(self.held) > HELD_MAX:
+            ids += self._force()
+        self.reread_max = max(self.reread_max, self._read - READS_PER_CHAR * len(text))
+        return ids
 
     def end(self) -> list[int]:
         """No more text: commit what is held back."""
@@ -76,7 +105,11 @@ class IncrementalText:
         if cut <= 0:
             return []
         piece, self._pending = self._pending[:cut], self._pending[cut:]
-        ids = list(self.tokenizer.encode(piece, add_special_tokens=False))
+        self._read += len(piece)
+        return self._take(list(self.tokenizer.encode(piece, add_special_tokens=False)))
+
+    def _take(self, ids: list[int]) -> list[int]:
+        """Commit `ids` (the template's own leading ids go to `head_ids`)."""
         if self._skip:
             dropped = min(self._skip, len(ids))
             self.head_ids += ids[:dropped]
@@ -84,9 +117,41 @@ class IncrementalText:
         self.ids.extend(ids)
         return ids
 
+    def _force(self) -> list[int]:
+        """Forced commit points until at most `HELD_MAX` characters are held back, each from a
+        window of bounded size (a long piece is walked through, never re-read whole)."""
+        text, pos, ids = self._pending, 0, []
+        head = len(text) - len(self.held)  # the template's head, which `held` leaves out
+        while len(text) - pos - (head if pos < head else 0) > HELD_MAX:
+            window = text[pos : pos + HELD_MAX + self.margin]
+            enc = self.tokenizer.backend_tokenizer.encode(window, add_special_tokens=False)
+            self._read += len(window)
+            cut, count = self._forced_cut(window, enc.offsets)
+            ids += self._take(list(enc.ids[:count]))
+            pos += cut
+            self.forced += 1
+        self._pending = text[pos:]
+        return ids
+
+    def _forced_cut(self, window: str, offsets: list[tuple[int, int]]) -> tuple[int, int]:
+        """(characters, tokens) of the window to commit: up to its last clean token boundary (no
+        token spans it: byte-level tokens may split a character) at most `margin` characters
+        before the window's end, one NFC leaves apart if there is one; else its first."""
+        ends = [
+            (end, i + 1)
+            for i, (_, end) in enumerate(offsets)
+            if 0 < end and (i + 1 == len(offsets) or offsets[i + 1][0] >= end)
+        ]
+        if not ends:
+            return len(window), len(offsets)
+        inner = [(e, n) for e, n in ends if e <= len(window) - self.margin]
+        safe = [(e, n) for e, n in inner if e == len(window) or self._safe(window, e)]
+        return (safe or inner or ends)[-1 if safe or inner else 0]
+
     def _stable_cut(self) -> int:
         """The longest prefix of the pending text whose ids no later text can change."""
         text = self._pending
+        self._read += len(text)
         starts = self._chunk_starts(text)
         limit = self._added_prefix_start(text)
         # the last chunk is held back (the partial word); then walk back to a safe boundary
@@ -114,6 +179,8 @@ class IncrementalText:
         for i in range(
             max(0, len(text) - max((len(t) for t in self._added), default=0)), len(text)
         ):
+            if text[i] not in self._added_firsts:
+                continue
             tail = text[i:]
             if any(t.startswith(tail) and t != tail for t in self._added):
                 return i

@@ -5,6 +5,8 @@ a spawned process (the server starts it by name: `dispatch/launch.py`). Its requ
 together on one model (`scheduler.py`): a request that arrives joins the batch at the next step.
 The messages on its pipe are `messages.py`'s. A consumer that pauses pauses its stream only
 (flow control, `messages.MAX_UNTAKEN`), and one that goes away leaves at most one chunk behind.
+A stream with nothing to compute (so paused, or waiting for streamed text) is reported held
+(`messages.Held`) and again when it runs: the server lends its real-time slot meanwhile.
 A stop ends the streams still running with an error.
 """
 
@@ -15,6 +17,7 @@ import os
 import tempfile
 import time
 import traceback
+from collections import Counter, deque
 from multiprocessing.connection import Connection
 
 import mlx.core as mx
@@ -47,6 +50,13 @@ from qwen3_tts_engine.worker.synthesis import stream_chunks
 WARMUP_TEXT = "Hello, this is a warm-up."
 REPORT_EVERY_S = 1.0  # how often a busy worker sends its batching stats
 STEPS_EVERY_S = 0.25  # how often it sends its step times (admission reads them: capacity.py)
+# Between two batch steps the worker takes at most this many messages off its pipe, and
+# tokenizes at most this many pieces of streamed text (each piece costs its own length and a
+# bounded re-read: incremental_text.py): a client that sends text as fast as it can cannot keep
+# the other streams from stepping, nor their requests from being read. Text comes faster than
+# a stream speaks it (one token per 80 ms frame), so its own stream loses nothing.
+MESSAGES_PER_STEP = 1024
+TEXT_PIECES_PER_STEP = 256
 
 
 def _load_ref_audio(data: bytes) -> mx.array:
@@ -75,6 +85,7 @@ class _Live:
         self.underruns = 0
         self.resumed = 0  # chunks after a hold: their playback restarts, they cannot be late
         self.text_waits = 0  # the stream's waits for streamed text seen so far (a wait is a hold)
+        self.reported_held = False  # what the server was last told (`messages.Held`)
 
     def chunk_made(self, now: float, frames: int) -> bool:
         """Account a chunk made at `now`; True when it came after the listener needed it. After
@@ -104,6 +115,10 @@ def _done_stats(stream, live: _Live) -> dict:
         # why it ended (protocol.FINISH_REASONS; serving/speech_service.finish_reason reads it)
         "finish_reason": stats.finish_reason, "repetitions": stats.repetitions,
         "loop": stats.loop,
+        # streamed text: the tokenizer's most re-reading for one piece, forced commit points
+        # (incremental_text.py: both bounded per piece, whatever the text)
+        "text_reread_max": stream.feed.reread_max if stream.feed else 0,
+        "text_forced_commits": stream.feed.forced if stream.feed else 0,
     }  # fmt: skip
 
 
@@ -128,6 +143,8 @@ def batching_stats(scheduler, active: int) -> dict:
         # streamed text: rows that left the batch to wait for their next token, and came back
         "text_waits": scheduler.text_waits,
         "text_resumes": scheduler.text_resumes,
+        # streams with nothing to compute until their consumer or their text comes
+        "held_streams": sum(s.idle for s in scheduler.streams.values()),
     }
 
 
@@ -147,6 +164,8 @@ class _Server:
         self.last_report = 0.0
         self.last_steps = 0.0
         self.underruns = 0  # not yet reported
+        self.text_backlog: deque[msg.AppendText | msg.EndText] = deque()  # all streams', in order
+        self.text_pending: Counter[str] = Counter()  # pieces in the backlog, by stream
 
     def _handle(self, m: msg.ToWorker) -> None:
         if isinstance(m, msg.Synthesize):
@@ -154,7 +173,8 @@ class _Server:
         elif isinstance(m, msg.Cancel):
             self.scheduler.cancel(m.id)
         elif isinstance(m, msg.AppendText | msg.EndText):
-            self._text(m)
+            self.text_backlog.append(m)  # tokenized between steps, a bounded number per step
+            self.text_pending[m.id] += 1
         elif isinstance(m, msg.Taken):
             if (live := self.live.get(m.id)) is not None:
                 live.taken = max(live.taken, m.count)
@@ -167,6 +187,17 @@ class _Server:
         elif isinstance(m, msg.StepDelay):  # fault injection, switched while serving
             self.step_delay_s = self.scheduler.step_delay_s = max(0.0, m.seconds)
         # a Cancel or Taken for a request that already finished is dropped
+
+    def _report_holds(self) -> None:
+        """Tell the server which streams became held or run again (it lends their slots)."""
+        for req_id, live in self.live.items():
+            stream = self.scheduler.streams.get(req_id)
+            # text that came but waits in the backlog is not a wait for text: no hold, no flapping
+            held = stream is not None and stream.idle and not self.text_pending[req_id]
+            if held != live.reported_held:
+                live.reported_held = held
+                reason = "consumer" if held and stream.paused else "text" if held else ""
+                self.conn.send(msg.Held(req_id, held, reason))
 
     def _text(self, m: msg.AppendText | msg.EndText) -> None:
         """Streamed text for a running synthesis; its committed token count goes back when it
@@ -235,17 +266,42 @@ class _Server:
             self.scheduler.step_log.clear()
             self.underruns = 0
 
+    def _busy(self) -> bool:
+        return bool(self.text_backlog) or bool(self.live and self.scheduler.runnable)
+
+    def _take_messages(self) -> None:
+        """Block for messages while there is nothing to do; otherwise take what arrived, at most
+        MESSAGES_PER_STEP (a client's stream of messages cannot keep the batch from stepping)."""
+        handled = 0
+        while not self._busy() or (handled < MESSAGES_PER_STEP and self.conn.poll()):
+            self._handle(self.conn.recv())
+            handled += 1
+            if self.stop_requested:
+                return
+            self._report_holds()
+
+    def _take_text(self) -> None:
+        """Streamed text waiting to be tokenized, at most TEXT_PIECES_PER_STEP pieces (in order)."""
+        for _ in range(min(TEXT_PIECES_PER_STEP, len(self.text_backlog))):
+            m = self.text_backlog.popleft()
+            if self.text_pending[m.id] <= 1:
+                del self.text_pending[m.id]
+            else:
+                self.text_pending[m.id] -= 1
+            self._text(m)
+        self._report_holds()
+
     def run(self) -> None:
         while True:
-            # Block for messages while nothing can run; otherwise take what arrived and step.
-            while self.conn.poll() or not (self.live and self.scheduler.runnable):
-                self._handle(self.conn.recv())
-                if self.stop_requested:
-                    break
+            self._take_messages()
             if self.stop_requested:
                 # cut short, and not by the client: an error, not "done"
                 self._fail_all("the TTS worker is stopping")
                 return
+            if self.text_backlog:
+                self._take_text()
+                if not (self.live and self.scheduler.runnable):
+                    continue
             try:
                 events = self.scheduler.step()
             except Exception as e:  # the whole batch failed: end its streams, keep serving
@@ -256,6 +312,7 @@ class _Server:
                                            loop_rules=self.loop_rules)  # fmt: skip
                 continue
             self._send_events(events)
+            self._report_holds()
             # A worker about to block (nothing runnable: idle, or every stream waiting for text
             # or paused) reports now; else status would show its last busy second until it woke.
             self._report(force=not (self.live and self.scheduler.runnable))

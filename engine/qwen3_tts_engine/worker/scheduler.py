@@ -9,7 +9,7 @@ rows are added to the batch; it leaves on EOS, its frame cap, a cancel or an
 error, and the others go on. Long input runs sentence by sentence: a row leaves at the end of a
 sentence and its next sentence joins as a new prefill, into the same vocoder stream, so chunks
 keep 4 frames across sentences. A stream whose consumer is behind is paused: its cache row is
-taken out of the batch and merged back when it resumes.
+taken out of the batch and merged back when it resumes, ahead of streams that start.
 
 A stream's text side is its `TextTrack` (`text_track.py`): the "prompt" layout, or dual-track
 with one text token per frame. Text streamed in (`append_text`, `end_text`) starts once the
@@ -384,10 +384,12 @@ class Scheduler:
             self._finish(s, events)
 
     def _admit(self, events: list[Event]) -> list[Stream]:
-        """Streams that start a sentence this step (prefilled alone) and paused ones resuming."""
+        """Streams that start a sentence this step (prefilled alone) and paused ones resuming.
+        Resuming ones first: the server lent their real-time slots while they were held
+        (`messages.Held`), so more streams than rows may be ready; a new one waits for a row."""
         joining: list[Stream] = []
         in_batch = {id(s) for s in self.rows}
-        for s in list(self.streams.values()):
+        for s in sorted(self.streams.values(), key=lambda s: s.parked is None):
             if s.paused or s.waiting_text or s.finished or id(s) in in_batch:
                 continue
             if s.feed is not None and s.text is None and not s._can_start():

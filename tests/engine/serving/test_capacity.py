@@ -223,3 +223,37 @@ async def test_a_probe_that_fits_raises_the_slots():
     assert model.slots(budget, 8) == 3 and [w.done() for w in waiting] == [True, True, False]
     assert gate.probes == 1  # the third came in by the slots, not by a probe
     waiting[2].cancel()
+
+
+async def test_a_held_request_lends_its_slot_and_takes_it_back_ahead_of_new_ones():
+    gate = Admission(lambda: 1, max_parked=1, fits=lambda costs: sum(costs) <= 10)
+    order: list[str] = []
+
+    async def take(name: str, cost: int) -> None:
+        await gate.acquire(cost)
+        order.append(name)
+
+    await take("a", 4)
+    b = asyncio.create_task(take("b", 4))
+    await asyncio.sleep(0)
+    assert order == ["a"]
+    assert gate.park(4)  # a is held (its consumer or text is behind): b starts in its slot
+    await b
+    assert (gate.running, gate.parked, gate.costs) == (1, [4], [4, 4])
+    assert not gate.park(4)  # b is held too, over max_parked: it keeps its slot
+    c = asyncio.create_task(take("c", 1))
+    await asyncio.sleep(0)
+    assert "c" not in order
+    gate.release(4)  # b ends; c has the slot, and its memory (a's still counts) fits
+    await c
+    d = asyncio.create_task(take("d", 4))
+    await asyncio.sleep(0)
+    assert "d" not in order and gate.held_by_memory is False  # no slot: c runs, a lent its own
+    gate.unpark(4)  # a resumes at once, over the limit, ahead of d
+    assert gate.running == 2 and gate.parked == []
+    gate.release(1)
+    await asyncio.sleep(0)
+    assert "d" not in order  # still one running (a): d waits for it
+    gate.release(4)
+    await d
+    assert order == ["a", "b", "c", "d"] and gate.running == 1

@@ -129,21 +129,23 @@ async def test_sessions_closed_or_reset_right_after_their_start_free_everything(
 
 async def test_sessions_closed_while_their_streams_wait_to_start_free_everything(server, session):
     """Streams that have begun but wait for more text before their first frame (text_start_tokens),
-    two admitted and four queued, all closed at once: a queued one is given its slot as the
-    others' cancels free them, in the same moment its own cancel comes (Python 3.11's wait_for
+    all closed at once: four held (waiting for text, they lend their slots: at most two per row),
+    two admitted that keep theirs, and two queued. A queued one is given its slot as the others'
+    cancels free them, in the same moment its own cancel comes (Python 3.11's wait_for
     swallowed that cancel: the stream started for nobody, waited for text forever, and /load
     said running 1 for good)."""
     sockets = []
-    for _ in range(6):
+    for _ in range(8):
         ws = await connect(session, API_KEY)
         await ws.send_json({**START, "text_start_tokens": 16})
         assert (await receive(ws))["type"] == "session.created"
         await ws.send_json({"type": "input_text.append", "text": "Hi"})  # one token of 16
         sockets.append(ws)
-    await _until_load(server, lambda x: x["running"] + x["waiting"] == 6, "six streams")
+    await _until_load(server, lambda x: (x["held"], x["running"], x["waiting"]) == (4, 2, 2),
+                      "four held, two running, two queued")  # fmt: skip
     for ws in sockets:
         await ws.close()
-    await _until_load(server, lambda x: x["running"] == 0 and x["waiting"] == 0 and x["sessions"] == 0,
+    await _until_load(server, lambda x: x["running"] == x["held"] == x["waiting"] == x["sessions"] == 0,
                       "idle after the sockets closed")  # fmt: skip
     events = await speak(session, API_KEY, START, ["Hello there."])
     assert events[-1]["type"] == "response.done" and events[-1]["frames"] > 0
