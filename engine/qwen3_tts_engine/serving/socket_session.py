@@ -49,7 +49,6 @@ from qwen3_tts_engine.serving.speech_service import (
     SpeechService,
     capped,
     decode_json,
-    finish_reason,
 )
 from qwen3_tts_engine.serving.tracing import extract_context, tracer
 
@@ -84,6 +83,7 @@ class Utterance:
         self.pump: asyncio.Task | None = None  # None until its text begins
         self._state = State.WAITING
         self.finish_reason: str | None = None  # once over: protocol.FINISH_REASONS
+        self.reason_counted = False  # in qwen3_tts_utterances_finished_total (once)
         self.counted = False  # in the requests metric
         self.holds = 0  # times its pump waited for the client to read (flow control)
         self.chunks = 0
@@ -311,6 +311,12 @@ class SocketSession:
             utt.counted = True
         self.outcome = outcome
         self.metrics.requests.labels(outcome).inc()
+        if utt is not None and utt.pump is not None and not utt.reason_counted:
+            # a synthesis that did not run to its end (the pump's observe_done counts those):
+            # cancelled or its client gone is `abort`, a failure `error`, counted by reason once
+            utt.reason_counted = True
+            reason = "abort" if outcome in ("cancelled", "aborted") else "error"
+            utt.finish_reason = self.service.observe_finish(reason, utt.rid, utt.span)
         if utt is not None and utt.span is not None:
             utt.span.set_attribute("qwen3_tts.outcome", outcome)
             if outcome not in ("200", "cancelled"):
@@ -534,8 +540,8 @@ class SocketSession:
                     if utt.chunks == 1:
                         await self.send_first_audio(utt, (time.perf_counter() - utt.t0) * 1000)
                     await self._wait_for_reader(utt)  # before the next chunk is taken
-            self.service.observe_done(utt.result, utt.rid, utt.t0, utt.chunks)
-            utt.finish_reason = finish_reason(utt.result)
+            utt.finish_reason = self.service.observe_done(utt.result, utt.rid, utt.t0, utt.chunks)
+            utt.reason_counted = True  # a cancel while the done event goes out is not an abort
             await self.send_done(utt)
         except MAPPED as e:
             raise SessionEnd(as_request_error(e)) from None

@@ -1,12 +1,16 @@
 """Finish reasons on every socket dialect (protocol.FINISH_REASONS): an utterance that runs to its
 frame cap (the tiny checkpoint that never says end-of-speech) says `length` in its done event, a
 cancelled one `abort`: ours in `response.done`, the hosted protocol in `response.done`'s
-`status_details`, vLLM-Omni's in `audio.done` and `session.done`."""
+`status_details`, vLLM-Omni's in `audio.done` and `session.done`; each counted once by reason in
+`qwen3_tts_utterances_finished_total{reason}` (the same counter POST's endings move)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.speech_socket import (
     DIALECTS,
@@ -48,6 +52,25 @@ async def session(server):
         yield s
 
 
+async def _finished(session) -> dict[str, float]:
+    async with session.get("/metrics") as r:
+        text = await r.text()
+    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "qwen3_tts_utterances_finished_total"}  # fmt: skip
+
+
+async def _counted(session, before: dict[str, float], reason: str) -> dict[str, float]:
+    """The counters once `reason`'s moved (a bounded wait for that event, not a time)."""
+    async with asyncio.timeout(120):
+        while (now := await _finished(session))[reason] == before[reason]:
+            await asyncio.sleep(0.05)
+    return now
+
+
+def _moved(before: dict, after: dict) -> dict:
+    return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+
 async def _reason(ws, dialect) -> tuple[str, list]:
     seen = []
     while not isinstance(m := await receive(ws), aiohttp.WSMessage):
@@ -61,6 +84,7 @@ async def _reason(ws, dialect) -> tuple[str, list]:
 
 @ALL
 async def test_a_capped_utterance_says_length(server, session, dialect):
+    before = await _finished(session)
     async with dialect.connect(session, API_KEY) as ws:
         await dialect.open_text(ws, "Hi.")
         await ws.send_json(FLUSH[dialect.name])
@@ -71,10 +95,12 @@ async def test_a_capped_utterance_says_length(server, session, dialect):
             assert done["type"] == "session.done" and done["finish_reason"] == "length"
         if dialect.name == "qwen_realtime":
             assert seen[-1]["response"]["status"] == "incomplete"
+    assert _moved(before, await _counted(session, before, "length")) == {"length": 1}
 
 
 @ALL
 async def test_a_cancelled_utterance_says_abort(server, session, dialect):
+    before = await _finished(session)
     async with dialect.connect(session, API_KEY) as ws:
         await dialect.open_text(ws, "Hello there, and then")
         while not isinstance(m := await receive(ws), bytes) and not (
@@ -86,3 +112,5 @@ async def test_a_cancelled_utterance_says_abort(server, session, dialect):
         assert reason == "abort"
         if dialect.name == "qwen_realtime":
             assert seen[-1]["response"]["status"] == "cancelled"
+    # counted once, as abort (not also as the synthesis's own end)
+    assert _moved(before, await _counted(session, before, "abort")) == {"abort": 1}
