@@ -3,15 +3,18 @@
 first pays no TCP handshake and no WebSocket upgrade. `text_socket.py` speaks on them.
 
 A parked socket is read by a task of its own: it answers the engine's pings (aiohttp answers them
-only inside `receive()`) and notices a close (the engine's keepalive, a dead engine), after which
-the socket is never handed out again. A socket is parked only in a known state: after
-`response.done`, or after a barge-in's `response.cancel` was answered by one (`cancel`).
+only inside `receive()`), notices a close (the engine's keepalive, a dead engine), after which
+the socket is never handed out again, and retires the socket itself once it has been idle for
+`max_idle_s` (LiveKit's pool checks its age only when a socket is taken: an idle call's socket
+would otherwise stay open until the engine's keepalive closed it). A socket is parked only in a
+known state: after `response.done`, or after a barge-in's `response.cancel` was answered by one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -32,19 +35,25 @@ from .protocol import (
     retry_after_s,
 )
 
-# A parked socket is retired this long after its last use: below the engine's default
-# `ws_keepalive_timeout_s` (300 s), so the pool closes it before the engine would.
+# A parked socket is retired (closed by its reader) this long after it was parked: below the
+# engine's default `ws_keepalive_timeout_s` (300 s), so the plugin closes it before the engine would.
 MAX_IDLE_S = 240.0
+IDLE_CLOSE_REASON = b"idle"  # the close frame's reason when the plugin retires an idle socket
 PREWARM_TIMEOUT_S = 10.0  # LiveKit's default `conn_options.timeout`
 
 
 class WarmSocket:
-    """One socket to one endpoint. `reused`: it was open before the utterance that holds it."""
+    """One socket to one endpoint. `reused`: it was open before the utterance that holds it.
+    Parked, it is retired after `max_idle_s` (`on_retired(self)` is then called)."""
 
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse, url: str) -> None:
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, url: str, *,
+                 max_idle_s: float = MAX_IDLE_S,
+                 on_retired: Callable[[WarmSocket], None] | None = None) -> None:  # fmt: skip
         self.ws, self.url = ws, url
         self.reused = False
         self.utterances = 0  # started on it
+        self.retired = False  # closed by its parked reader after `max_idle_s` idle
+        self._max_idle_s, self._on_retired = max_idle_s, on_retired
         self._dead = False  # the parked reader saw a close or a message nobody asked for
         self._reader: asyncio.Task | None = None
         self.park()  # a new socket waits in the pool (prewarm) until it is taken
@@ -55,7 +64,9 @@ class WarmSocket:
 
     def park(self) -> None:
         if self._reader is None and self.alive:
-            self._reader = asyncio.create_task(self._read_parked(), name="qwen3-tts-warm-socket")
+            deadline = time.monotonic() + self._max_idle_s  # the idle age counts from parking
+            self._reader = asyncio.create_task(self._read_parked(deadline),
+                                               name="qwen3-tts-warm-socket")  # fmt: skip
 
     async def take(self) -> bool:
         """Stop the parked reader; whether the socket can carry an utterance."""
@@ -70,12 +81,25 @@ class WarmSocket:
         await self.ws.close()
 
     async def wait_closed(self) -> None:
-        """Until the engine closes the socket while it is parked (tests: its keepalive)."""
+        """Until the parked socket is closed: by the engine (its keepalive) or retired."""
         if self._reader is not None:
             await asyncio.shield(self._reader)
 
-    async def _read_parked(self) -> None:
-        msg = await self.ws.receive()  # pings are answered in there; it returns on anything else
+    async def _read_parked(self, deadline: float) -> None:
+        # One deadline for the whole wait: receive()'s own timeout restarts at every ping and
+        # pong (aiohttp), which the heartbeat sends more often than any idle bound.
+        try:
+            async with asyncio.timeout(deadline - time.monotonic()):
+                msg = await self.ws.receive()  # pings are answered in there; returns on the rest
+        except TimeoutError:
+            self._dead = self.retired = True
+            logger.info("TTS socket to %s idle for %g s: retired", self.url, self._max_idle_s)
+            # closed from this task, the socket's only reader (closing from another task while
+            # receive() waits would cut the transport: the engine would see 1006)
+            await self.ws.close(code=aiohttp.WSCloseCode.OK, message=IDLE_CLOSE_REASON)
+            if self._on_retired is not None:
+                self._on_retired(self)
+            return
         self._dead = True
         if msg.type == aiohttp.WSMsgType.TEXT:  # e.g. an error event: the state is unknown
             logger.info("TTS socket to %s said %r while idle: dropped", self.url, msg.data[:120])
@@ -89,8 +113,9 @@ class WarmSocket:
 class SocketPool:
     """Warm sockets per endpoint URL, each endpoint's in a `utils.ConnectionPool`.
 
-    `session()`: the aiohttp session to connect with; `headers`: the engine's auth. `opened`
-    counts sockets opened (tests and the bench read it)."""
+    `session()`: the aiohttp session to connect with; `headers`: the engine's auth; `max_idle_s`:
+    how long a parked socket waits for an utterance before it is closed. `opened` counts sockets
+    opened, `retired` those closed idle (tests and the bench read them)."""
 
     def __init__(self, session: Callable[[], aiohttp.ClientSession], headers: dict[str, str], *,
                  max_idle_s: float = MAX_IDLE_S) -> None:  # fmt: skip
@@ -100,15 +125,14 @@ class SocketPool:
         self._parked: set[WarmSocket] = set()
         self._prewarm: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        self.opened = 0
+        self.opened = self.retired = 0
         self._closed = False
 
     def _pool(self, url: str) -> utils.ConnectionPool[WarmSocket]:
         if url not in self._pools:
             self._pools[url] = utils.ConnectionPool[WarmSocket](
+                # no `max_session_duration`: each parked socket's reader retires it on time
                 connect_cb=lambda timeout: self._open(url, timeout), close_cb=self._close,
-                # the time counts from the last get(): a socket idle that long is closed by us
-                max_session_duration=self._max_idle_s, mark_refreshed_on_get=True,
             )  # fmt: skip
         return self._pools[url]
 
@@ -220,7 +244,14 @@ class SocketPool:
         propagate.inject(headers)  # the engine continues the trace of the utterance that opened it
         ws = await connect(self._session(), url, headers, timeout)
         self.opened += 1
-        return WarmSocket(ws, url)
+        return WarmSocket(ws, url, max_idle_s=self._max_idle_s, on_retired=self._retire)
+
+    def _retire(self, sock: WarmSocket) -> None:
+        """A parked socket closed itself, idle: out of the pool now, not at the next get()."""
+        self.retired += 1
+        self._parked.discard(sock)
+        if not self._closed:
+            self._pool(sock.url).remove(sock)
 
     async def _close(self, sock: WarmSocket) -> None:  # the ConnectionPool's close_cb
         self._parked.discard(sock)

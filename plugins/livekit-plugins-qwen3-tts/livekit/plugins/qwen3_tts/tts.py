@@ -55,7 +55,7 @@ from .protocol import (
     normalize_language,
 )
 from .segment_text import SegmentText, split_sentences
-from .socket_pool import SocketPool
+from .socket_pool import MAX_IDLE_S, SocketPool
 from .text_socket import NoTextStreaming, SocketAttempt, TextStreamReport
 
 _Piece = TypeVar("_Piece", str, SegmentText)  # what a segment is spoken in: sentences, utterances
@@ -202,6 +202,7 @@ class TTS(tts.TTS):
         resolver: Resolver | None = None,
         tokenizer: tokenize.SentenceTokenizer | None = None,
         http_client: httpx.AsyncClient | None = None,
+        socket_max_idle: float = MAX_IDLE_S,
     ) -> None:
         """Qwen3-TTS over HTTP.
 
@@ -238,6 +239,8 @@ class TTS(tts.TTS):
         `sample_rate` (8000, 16000, 24000 or 48000; fixed for the TTS's life) is the rate the
         engine is asked to send (it resamples from its 24 kHz) and this TTS's `sample_rate`:
         16000 or 8000 for a phone call saves LiveKit resampling every frame (qwen3-tts only).
+        `socket_max_idle` (s): a warm socket that waited this long for an utterance is closed by
+        the plugin (keep it below the engine's `ws_keepalive_timeout_s`, 300 s by default).
         """
         super().__init__(
             capabilities=tts.TTSCapabilities(streaming=True),
@@ -267,7 +270,9 @@ class TTS(tts.TTS):
                                   load_interval=load_interval, resolve_interval=resolve_interval,
                                   resolver=resolver, headers=self._headers)  # fmt: skip
         self._ws_session: aiohttp.ClientSession | None = None  # made when first needed
-        self._sockets = SocketPool(self._ws_http, self._headers)
+        if not socket_max_idle > 0:
+            raise ValueError(f"socket_max_idle must be > 0 seconds, not {socket_max_idle!r}")
+        self._sockets = SocketPool(self._ws_http, self._headers, max_idle_s=socket_max_idle)
         self._tokenizer = tokenizer or tokenize.basic.SentenceTokenizer()
         self._streams: weakref.WeakSet[ChunkedStream | SynthesizeStream] = weakref.WeakSet()
         self._closed = False
