@@ -19,10 +19,15 @@ from .endpoints import Endpoint, EndpointPool
 from .failover import EngineFull
 from .failures import EndpointUnavailable, Stalled
 from .protocol import (
+    BYTES_PER_SAMPLE,
+    FRAME_SAMPLES,
+    HEADER_CAPPED,
+    HEADER_FINISH_REASON,
     HEADER_SAMPLE_RATE,
     HEADER_VARIANT,
     SAMPLE_RATE,
     error_message,
+    finish_reason,
     rate_mismatch,
     retry_after_s,
 )
@@ -42,6 +47,7 @@ class SentenceReport:
     full: list[str] = field(default_factory=list)  # endpoints that answered 429 (engine full)
     seed: int | None = None  # sent with every attempt, so that a failover repeats the same audio
     first_chunk_frames: int | None = None  # the first chunk asked of the engine
+    finish_reason: str | None = None  # why the engine ended it (`protocol.finish_reason`)
 
     @property
     def samples(self) -> int:
@@ -80,6 +86,7 @@ class HttpSentenceAttempt:
             finally:
                 span.set_attributes({"qwen3_tts.variant": report.variant or "",
                                      "qwen3_tts.first_audio_s": report.first_audio_s or -1.0,
+                                     "qwen3_tts.finish_reason": report.finish_reason or "",
                                      "qwen3_tts.delivered_bytes": report.delivered_bytes})  # fmt: skip
 
     async def _request(self, ep: Endpoint, headers: dict[str, str]) -> None:
@@ -122,8 +129,18 @@ class HttpSentenceAttempt:
                         break
                     play_unheard(report, data, received, self._t0, self._deliver)
                     received += len(data)
+            capped = r.headers.get(HEADER_CAPPED) == "true" or self._at_cap(received, asked)
+            report.finish_reason = finish_reason(r.headers.get(HEADER_FINISH_REASON),
+                                                 capped=capped)  # fmt: skip
         finally:
             await r.aclose()
+
+    def _at_cap(self, received: int, rate: int) -> bool:
+        """The response holds `max_new_tokens` frames: it ran to the cap asked for (how an
+        engine that names no finish reason on a streamed response is read)."""
+        cap = self._body.get("max_new_tokens")
+        frames = received / BYTES_PER_SAMPLE * SAMPLE_RATE / rate / FRAME_SAMPLES
+        return cap is not None and round(frames) >= cap
 
     async def _open(self, request: httpx.Request, timeout: float) -> httpx.Response:
         """Send `request`; wait for the response head `timeout` s, counted once `ahead` is done."""

@@ -35,6 +35,7 @@ from .protocol import (
     MSG_TEXT_APPEND,
     MSG_TEXT_END,
     SAMPLE_RATE,
+    finish_reason,
     rate_mismatch,
     retry_after_s,
     stream_error,
@@ -69,6 +70,7 @@ class TextStreamReport:
     # The engine's `response.done` said `"capped": true`: the utterance ran to its frame cap (it
     # never ended by itself: the tail may be room tone).
     capped: bool = False
+    finish_reason: str | None = None  # why the engine ended it (`protocol.finish_reason`)
 
     @property
     def samples(self) -> int:
@@ -136,6 +138,7 @@ class SocketAttempt:
                                  "qwen3_tts.text_chars": len(report.text),
                                  "qwen3_tts.warm_socket": bool(report.warm),
                                  "qwen3_tts.first_audio_s": report.first_audio_s or -1.0,
+                                 "qwen3_tts.finish_reason": report.finish_reason or "",
                                  "qwen3_tts.delivered_bytes": report.delivered_bytes})  # fmt: skip
 
     async def _speak_on(self, sock: WarmSocket) -> None:
@@ -247,11 +250,8 @@ class SocketAttempt:
                 # end it before input_text.end): the caller decides what becomes of the rest.
                 report.ended_early = not self._ended
                 report.capped = event.get("capped") is True
-                if report.capped:
-                    logger.warning("TTS utterance %s ran to the engine's frame cap (%s frames) "
-                                   "instead of ending by itself: %r",
-                                   report.request_ids[-1] if report.request_ids else "?",
-                                   event.get("frames"), report.text[:60])  # fmt: skip
+                report.finish_reason = finish_reason(event.get("finish_reason"),
+                                                     capped=report.capped)  # fmt: skip
                 return
             elif kind == EV_ERROR:
                 status, message = stream_error(event)

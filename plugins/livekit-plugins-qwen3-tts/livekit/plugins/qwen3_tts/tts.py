@@ -14,6 +14,7 @@ import contextlib
 import os
 import random
 import weakref
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -65,6 +66,21 @@ DEFAULT_URL = "http://127.0.0.1:8880"
 # once. Synthesis requests are bounded by `conn_options.timeout` alone.
 DEFAULT_TIMEOUT = httpx.Timeout(2.0)
 _TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
+# what the warning says of an utterance that did not end by end of speech
+_ENDINGS = {"length": "ran to its frame cap instead of ending by itself",
+            "repetition": "was ended by the engine's loop detector (repeating audio)",
+            "abort": "was aborted by the engine", "error": "failed in the engine"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Ending:
+    """Why one utterance ended (`protocol.finish_reason`): what a TTS's `"finish_reason"`
+    event carries, once per utterance (a sentence request, a streamed utterance)."""
+
+    reason: str  # stop | length | repetition | abort | error (or a newer engine's word)
+    text: str
+    endpoint: str | None
+    request_id: str | None = None
 
 
 @dataclass
@@ -275,6 +291,9 @@ class TTS(tts.TTS):
         self._sockets = SocketPool(self._ws_http, self._headers, max_idle_s=socket_max_idle)
         self._tokenizer = tokenizer or tokenize.basic.SentenceTokenizer()
         self._streams: weakref.WeakSet[ChunkedStream | SynthesizeStream] = weakref.WeakSet()
+        # utterances by why they ended; LiveKit's TTSMetrics has no field for it: the agent
+        # counts the `"finish_reason"` events (docs/plugins.md)
+        self.finish_reasons: Counter[str] = Counter()
         self._closed = False
 
     @property
@@ -384,6 +403,22 @@ class TTS(tts.TTS):
             self._ws_session = aiohttp.ClientSession()
             return self._ws_session
 
+    def _finished(self, report: SentenceReport | TextStreamReport) -> None:
+        """An utterance was spoken: count why it ended, warn where it was not end of speech, and
+        emit `"finish_reason"` with an `Ending`."""
+        reason = report.finish_reason
+        if reason is None:
+            return
+        request_id = getattr(report, "request_ids", None) or [None]
+        ending = Ending(reason=reason, text=report.text, request_id=request_id[-1],
+                        endpoint=report.endpoints[-1] if report.endpoints else None)  # fmt: skip
+        self.finish_reasons[reason] += 1
+        if reason != "stop":
+            logger.warning("TTS utterance %s at %s %s (finish_reason=%s): %r",
+                           ending.request_id or "", ending.endpoint,
+                           _ENDINGS.get(reason, "ended"), reason, report.text[:60])  # fmt: skip
+        self.emit("finish_reason", ending)
+
     # -- one utterance on one transport (`failover.speak` tries it from engine to engine) -----
 
     def _sentence_attempt(
@@ -434,6 +469,7 @@ class ChunkedStream(tts.ChunkedStream):
                                                   lambda: None, self._conn_options)  # fmt: skip
             await failover.speak(self._tts._pool, attempt,
                                  may_fail_over=lambda: first or report.delivered_bytes > 0)  # fmt: skip
+        self._tts._finished(report)
 
     async def aclose(self) -> None:
         self._tts._streams.discard(self)
@@ -555,6 +591,7 @@ class SynthesizeStream(tts.SynthesizeStream):
         attempt = self._tts._socket_attempt(self._opts, index, text, report, deliver,
                                             self._mark_started, self._conn_options)  # fmt: skip
         await failover.speak(self._tts._pool, attempt, may_fail_over=self._may_fail_over)
+        self._tts._finished(report)
         if not report.ended_early:
             return
         # Only a frame cap ends an utterance before its text: under `max_new_tokens` that is a
@@ -602,6 +639,7 @@ class SynthesizeStream(tts.SynthesizeStream):
         attempt = self._tts._sentence_attempt(self._opts.for_request(index), report, deliver,
                                               self._mark_started, self._conn_options, ahead)  # fmt: skip
         await failover.speak(self._tts._pool, attempt, may_fail_over=self._may_fail_over)
+        self._tts._finished(report)
 
     async def _play_in_order(
         self, pieces: AsyncIterator[_Piece],
