@@ -3,7 +3,8 @@
 This module assembles it (auth and error middleware, start and stop; `ServerConfig` is
 `server_config.py`). The routes: `speech.py` (`POST /v1/audio/speech`: s16le PCM, one HTTP chunk
 per 4-frame audio chunk, as each is made), `speech_stream.py` (the engine's WebSocket) and
-`qwen_realtime.py` (the hosted Qwen3-TTS realtime protocol's), the sockets on `socket_session.py`,
+`qwen_realtime.py` (the hosted Qwen3-TTS realtime protocol's), `vllm_omni_stream.py` (vLLM-Omni's
+dialect, on the engine's socket route without its subprotocol), the sockets on `socket_session.py`,
 all adapters over `speech_service.py`; `operator.py` (`/health`, `/ready`, `/load`, `/get_load`,
 `/v1/models`, `/v1/engine/*`, `/metrics`: for operators and load balancers).
 """
@@ -34,6 +35,7 @@ from qwen3_tts_engine.serving.speech import SpeechRoutes
 from qwen3_tts_engine.serving.speech_service import SpeechService
 from qwen3_tts_engine.serving.speech_stream import SpeechStreamRoutes
 from qwen3_tts_engine.serving.tracing import configure_from_env
+from qwen3_tts_engine.serving.vllm_omni_stream import VllmOmniRoutes
 
 # Who may call each route (auth.auth_middleware; a route not named needs the API key)
 ROUTE_RULES = {
@@ -41,6 +43,7 @@ ROUTE_RULES = {
     "GET /get_load": PUBLIC,  # vllm-router's shape of /load (operator.py)
     "POST /v1/audio/speech": API, f"GET {SPEECH_STREAM_PATH}": API, "GET /v1/models": API,
     f"GET {QWEN_REALTIME_PATH}": API,  # the hosted Qwen3-TTS realtime protocol (Bearer key)
+    # (API: `Authorization: Bearer <key>` or `Api-Key <key>`, auth.py)
     "GET /v1/engine/status": API, "POST /v1/engine/variant": OPERATOR,
     "POST /v1/engine/fault": OPERATOR,
 }  # fmt: skip
@@ -65,13 +68,14 @@ class EngineServer:
         # the routes are adapters over one speech service; the operator's read the engine
         self.speech = SpeechService(engine, self.config, self.metrics)
         self.speech_routes = SpeechRoutes(self.speech)
-        # both socket protocols share one hub: one session cap, one count for /load
+        # the socket dialects share one hub: one session cap, one count for /load
         self.sockets = SocketHub(self.speech)
         self.stream_routes = SpeechStreamRoutes(self.sockets)
+        self.omni_routes = VllmOmniRoutes(self.sockets)
         self.realtime_routes = QwenRealtimeRoutes(self.sockets)
         self.operator_routes = OperatorRoutes(engine, self.config, self.metrics, governor,
                                               sessions=self.sockets.session_counts)  # fmt: skip
-        self.app.add_routes([*self.speech_routes.routes(), *self.stream_routes.routes(),
+        self.app.add_routes([*self.speech_routes.routes(), web.get(SPEECH_STREAM_PATH, self._speech_stream),
                              *self.realtime_routes.routes(), *self.operator_routes.routes()])  # fmt: skip
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
@@ -108,6 +112,13 @@ class EngineServer:
         await self.engine.stop()
         if self._runner is not None:
             await self._runner.cleanup()
+
+    async def _speech_stream(self, request: web.Request) -> web.StreamResponse:
+        """The engine's socket route: its own protocol when the upgrade offers its subprotocol,
+        vLLM-Omni's dialect otherwise."""
+        if self.stream_routes.offered(request):
+            return await self.stream_routes.stream(request)
+        return await self.omni_routes.stream(request)
 
     # -- middleware and auth -----------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""Bearer-token auth for `/v1/*`: the server's checks and the header a client sends.
+"""Bearer-token auth for `/v1/*`: the server's checks and the header a client sends
+(`Authorization: Bearer <key>`, or `Api-Key <key>` as Baseten's clients send it).
 
 Two keys: the API key (synthesis, models, status) and an optional operator key, which alone may
 change the engine (its served variant, fault injection) when it is set (and is accepted
@@ -24,10 +25,14 @@ def bearer_header(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+SCHEMES = ("Bearer ", "Api-Key ")  # LiveKit's baseten.TTS sends `Api-Key <key>`
+
+
 def carries(header: str | None, key: str) -> bool:
-    """`header` is "Bearer <key>" (constant-time compare)."""
+    """`header` is "Bearer <key>" or "Api-Key <key>" (constant-time compare)."""
     got = header or ""
-    return got.startswith("Bearer ") and hmac.compare_digest(got[7:].encode(), key.encode())
+    scheme = next((s for s in SCHEMES if got.startswith(s)), None)
+    return scheme is not None and hmac.compare_digest(got[len(scheme) :].encode(), key.encode())
 
 
 def authorized(header: str | None, api_key: str | None, operator_key: str | None = None) -> bool:

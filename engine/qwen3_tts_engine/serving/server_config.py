@@ -48,5 +48,9 @@ class ServerConfig:
     # a socket with no utterance in progress (before its first, or between two) is closed (1000)
     # after this long: a warm socket lasts a call, not forever
     ws_keepalive_timeout_s: float = 300.0
+    # sentences one socket may have waiting for their turn (the hosted protocol's server_commit,
+    # vLLM-Omni's sentence splitting): past it, sentence ends are not cut and the text joins the
+    # last one waiting (bounded by max_input_chars), so the backlog is bounded
+    ws_max_pending: int = 64
     # voice names a request may use for the model's voices (OpenAI's by default)
     voice_aliases: dict[str, str] = field(default_factory=lambda: dict(OPENAI_VOICE_ALIASES))

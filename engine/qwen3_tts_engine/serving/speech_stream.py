@@ -18,7 +18,6 @@ from __future__ import annotations
 from aiohttp import web
 
 from qwen3_tts_engine.protocol import (
-    SPEECH_STREAM_PATH,
     SPEECH_STREAM_SUBPROTOCOL,
     RequestError,
     check_text,
@@ -44,8 +43,11 @@ class SpeechStreamRoutes:
     def __init__(self, hub: SocketHub) -> None:
         self.hub = hub
 
-    def routes(self) -> list[web.RouteDef]:
-        return [web.get(SPEECH_STREAM_PATH, self.stream)]
+    def offered(self, request: web.Request) -> bool:
+        """Whether the upgrade offers this protocol's subprotocol (the route is shared with
+        vLLM-Omni's dialect, `vllm_omni_stream.py`: app.py picks by this)."""
+        offered = request.headers.get("Sec-WebSocket-Protocol", "")
+        return SUBPROTOCOL in (p.strip() for p in offered.split(","))
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         return await self.hub.serve(request, SpeechStreamSession, (SUBPROTOCOL,), "speech_stream")
