@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-
 import uuid
 import wave
 from pathlib import Path
@@ -116,7 +115,9 @@ async def test_both_engines_stopped_mid_call_the_caller_hears_the_phrase_then_th
             metrics_port, "voice_agent_tts_standby_total", alive=worker_alive
         )
     except AssertionError as e:
-        raise AssertionError(f"{e}\n--- worker log ---\n{log.read_text(errors='replace')[-4000:]}") from None
+        raise AssertionError(
+            f"{e}\n--- worker log ---\n{log.read_text(errors='replace')[-4000:]}"
+        ) from None
     finally:
         await caller.close()
         await _delete_room(server, room)
@@ -127,12 +128,16 @@ async def test_both_engines_stopped_mid_call_the_caller_hears_the_phrase_then_th
     heard = np.concatenate([x for t, x in caller.audio if t > asked]).astype(np.float64)
     assert np.abs(heard).max() > SILENT_PEAK
     hold, apology = _phrase(cache, "hold"), _phrase(cache, "apology")
-    (hold_score, hold_at), (apology_score, apology_at) = (_best_match(heard, p) for p in (hold, apology))
+    (hold_score, hold_at), (apology_score, apology_at) = (
+        _best_match(heard, p) for p in (hold, apology)
+    )
     print(f"hold {hold_score:.2f} at {hold_at}, apology {apology_score:.2f} at {apology_at}")
     assert hold_score > MATCH and apology_score > MATCH
     assert hold_at + len(hold) <= apology_at + len(hold) // 4  # the phrase, then the apology
     # each phrase said once (the scrape sums the counter's labels: phrase x source)
     assert scrape["voice_agent_tts_standby_total"] >= 2
     log_text = log.read_text(errors="replace")
-    assert "said the hold phrase (engine)" in log_text and "said the apology phrase (engine)" in log_text
-
+    assert (
+        "said the hold phrase (engine)" in log_text
+        and "said the apology phrase (engine)" in log_text
+    )

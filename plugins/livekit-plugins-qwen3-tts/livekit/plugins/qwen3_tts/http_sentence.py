@@ -55,7 +55,8 @@ class SentenceReport:
 
 
 class HttpSentenceAttempt:
-    """`body` (one sentence, its seed included) to an endpoint; its PCM into `deliver`.
+    """`bodies[protocol]` (one sentence, its seed included, as the endpoint's protocol words it)
+    to an endpoint; its PCM into `deliver`.
 
     `conn.timeout` bounds each try's connect and every wait for bytes; for a sentence requested
     ahead, the wait for its first byte counts from when `ahead` (the sentence queued before it)
@@ -63,11 +64,12 @@ class HttpSentenceAttempt:
     as the text goes to the model (LiveKit's TTFB starts there)."""
 
     def __init__(
-        self, *, pool: EndpointPool, client: httpx.AsyncClient, headers: dict[str, str], body: dict,
+        self, *, pool: EndpointPool, client: httpx.AsyncClient, headers: dict[str, str],
+        bodies: dict[str, dict],
         report: SentenceReport, deliver: Callable[[bytes], None], on_sent: Callable[[], None],
         conn: APIConnectOptions, ahead: asyncio.Future | None = None,
     ) -> None:  # fmt: skip
-        self._pool, self._client, self._headers, self._body = pool, client, headers, body
+        self._pool, self._client, self._headers, self._bodies = pool, client, headers, bodies
         self.report, self._deliver, self._on_sent = report, deliver, on_sent
         self._conn, self._ahead = conn, ahead
         self._t0 = time.perf_counter()  # first audio is counted from the sentence's first try
@@ -90,11 +92,11 @@ class HttpSentenceAttempt:
                                      "qwen3_tts.delivered_bytes": report.delivered_bytes})  # fmt: skip
 
     async def _request(self, ep: Endpoint, headers: dict[str, str]) -> None:
-        conn, report = self._conn, self.report
+        conn, report, body = self._conn, self.report, self._bodies[ep.protocol]
         self._on_sent()
         # Reads are timed here (not by httpx) so that a queued sentence's wait can be excused.
         timeout = httpx.Timeout(conn.timeout, read=None)
-        request = self._client.build_request("POST", f"{ep.url}/v1/audio/speech", json=self._body,
+        request = self._client.build_request("POST", f"{ep.url}/v1/audio/speech", json=body,
                                              headers=headers, timeout=timeout)  # fmt: skip
         r = await self._open(request, conn.timeout)
         try:
@@ -111,7 +113,7 @@ class HttpSentenceAttempt:
             if r.status_code != 200:
                 raise APIStatusError(_error_message(r), status_code=r.status_code,
                                      request_id=r.headers.get("x-request-id"), body=r.text)  # fmt: skip
-            asked = self._body.get("sample_rate", SAMPLE_RATE)
+            asked = body.get("sample_rate", SAMPLE_RATE)
             if why := rate_mismatch(asked, r.headers.get(HEADER_SAMPLE_RATE)):
                 raise APIError(why, retryable=False)
             self._pool.mark_up(ep)
@@ -129,18 +131,11 @@ class HttpSentenceAttempt:
                         break
                     play_unheard(report, data, received, self._t0, self._deliver)
                     received += len(data)
-            capped = r.headers.get(HEADER_CAPPED) == "true" or self._at_cap(received, asked)
+            capped = r.headers.get(HEADER_CAPPED) == "true" or _at_cap(body, received, asked)
             report.finish_reason = finish_reason(r.headers.get(HEADER_FINISH_REASON),
                                                  capped=capped)  # fmt: skip
         finally:
             await r.aclose()
-
-    def _at_cap(self, received: int, rate: int) -> bool:
-        """The response holds `max_new_tokens` frames: it ran to the cap asked for (how an
-        engine that names no finish reason on a streamed response is read)."""
-        cap = self._body.get("max_new_tokens")
-        frames = received / BYTES_PER_SAMPLE * SAMPLE_RATE / rate / FRAME_SAMPLES
-        return cap is not None and round(frames) >= cap
 
     async def _open(self, request: httpx.Request, timeout: float) -> httpx.Response:
         """Send `request`; wait for the response head `timeout` s, counted once `ahead` is done."""
@@ -157,6 +152,14 @@ class HttpSentenceAttempt:
             if not send.cancelled() and send.exception() is None:
                 await send.result().aclose()
             raise
+
+
+def _at_cap(body: dict, received: int, rate: int) -> bool:
+    """The response holds `max_new_tokens` frames: it ran to the cap asked for (how an engine
+    that names no finish reason on a streamed response is read)."""
+    cap = body.get("max_new_tokens")
+    frames = received / BYTES_PER_SAMPLE * SAMPLE_RATE / rate / FRAME_SAMPLES
+    return cap is not None and round(frames) >= cap
 
 
 def _error_message(r: httpx.Response) -> str:

@@ -54,6 +54,14 @@ EV_TEXT_ACK = "input_text.ack"
 EV_FIRST_AUDIO = "response.first_audio"
 EV_DONE = "response.done"
 EV_ERROR = "error"
+# vLLM-Omni's dialect at the same route (an upgrade without the subprotocol: `socket_dialects.py`)
+OMNI_CONFIG = "session.config"
+OMNI_INPUT_TEXT = "input.text"
+OMNI_INPUT_DONE = "input.done"  # a flush: the utterance ends, the socket stays open
+OMNI_SESSION_CLOSE = "session.close"
+OMNI_AUDIO_START = "audio.start"
+OMNI_AUDIO_DONE = "audio.done"
+OMNI_SESSION_DONE = "session.done"
 
 LANGUAGES = (
     "auto", "chinese", "english", "japanese", "korean", "german",
@@ -126,7 +134,8 @@ def stream_error(event: Mapping) -> tuple[int, str]:
         status = int(event.get("status") or 500)
     except (TypeError, ValueError):
         status = 500
-    return status, error_message(event) or f"engine error {status}"
+    message = error_message(event) or event.get("message")  # vLLM-Omni's: {"type", "message"}
+    return status, str(message) if message else f"engine error {status}"
 
 
 def finish_reason(said: Any, *, capped: bool = False) -> str:

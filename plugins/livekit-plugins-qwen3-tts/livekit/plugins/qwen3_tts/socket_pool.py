@@ -34,6 +34,7 @@ from .protocol import (
     SPEECH_STREAM_SUBPROTOCOL,
     retry_after_s,
 )
+from .socket_dialects import DIALECTS
 
 # A parked socket is retired (closed by its reader) this long after it was parked: below the
 # engine's default `ws_keepalive_timeout_s` (300 s), so the plugin closes it before the engine would.
@@ -47,11 +48,12 @@ class WarmSocket:
     Parked, it is retired after `max_idle_s` (`on_retired(self)` is then called)."""
 
     def __init__(self, ws: aiohttp.ClientWebSocketResponse, url: str, *,
-                 max_idle_s: float = MAX_IDLE_S,
+                 protocol: str = "qwen3-tts", max_idle_s: float = MAX_IDLE_S,
                  on_retired: Callable[[WarmSocket], None] | None = None) -> None:  # fmt: skip
-        self.ws, self.url = ws, url
+        self.ws, self.url, self.protocol = ws, url, protocol
         self.reused = False
         self.utterances = 0  # started on it
+        self.flushes = 0  # vLLM-Omni's dialect: `input.done`s sent (the server counts them too)
         self.retired = False  # closed by its parked reader after `max_idle_s` idle
         self._max_idle_s, self._on_retired = max_idle_s, on_retired
         self._dead = False  # the parked reader saw a close or a message nobody asked for
@@ -111,7 +113,8 @@ class WarmSocket:
 
 
 class SocketPool:
-    """Warm sockets per endpoint URL, each endpoint's in a `utils.ConnectionPool`.
+    """Warm sockets per endpoint URL and dialect (`socket_dialects.py`), each in a
+    `utils.ConnectionPool`.
 
     `session()`: the aiohttp session to connect with; `headers`: the engine's auth; `max_idle_s`:
     how long a parked socket waits for an utterance before it is closed. `opened` counts sockets
@@ -120,7 +123,7 @@ class SocketPool:
     def __init__(self, session: Callable[[], aiohttp.ClientSession], headers: dict[str, str], *,
                  max_idle_s: float = MAX_IDLE_S) -> None:  # fmt: skip
         self._session, self._headers, self._max_idle_s = session, headers, max_idle_s
-        self._pools: dict[str, utils.ConnectionPool[WarmSocket]] = {}
+        self._pools: dict[tuple[str, str], utils.ConnectionPool[WarmSocket]] = {}
         self._settling: dict[str, set[asyncio.Task]] = {}  # per URL: sockets being cancelled
         self._parked: set[WarmSocket] = set()
         self._prewarm: asyncio.Task | None = None
@@ -128,20 +131,21 @@ class SocketPool:
         self.opened = self.retired = 0
         self._closed = False
 
-    def _pool(self, url: str) -> utils.ConnectionPool[WarmSocket]:
-        if url not in self._pools:
-            self._pools[url] = utils.ConnectionPool[WarmSocket](
+    def _pool(self, url: str, protocol: str) -> utils.ConnectionPool[WarmSocket]:
+        if (url, protocol) not in self._pools:
+            self._pools[(url, protocol)] = utils.ConnectionPool[WarmSocket](
                 # no `max_session_duration`: each parked socket's reader retires it on time
-                connect_cb=lambda timeout: self._open(url, timeout), close_cb=self._close,
+                connect_cb=lambda timeout: self._open(url, protocol, timeout), close_cb=self._close,
             )  # fmt: skip
-        return self._pools[url]
+        return self._pools[(url, protocol)]
 
-    async def get(self, url: str, timeout: float) -> WarmSocket:
-        """A socket to `url`: a parked one that is still open, else a new one (raising what a
-        failed connection means for the failover loop: `Stalled`, `EngineFull`, ...)."""
+    async def get(self, url: str, timeout: float, protocol: str = "qwen3-tts") -> WarmSocket:
+        """A socket to `url` in `protocol`'s dialect: a parked one that is still open, else a new
+        one (raising what a failed connection means for the failover loop: `Stalled`,
+        `EngineFull`, ...)."""
         if settling := self._settling.get(url):  # a barge-in's cancel: its socket comes back
             await asyncio.gather(*settling, return_exceptions=True)
-        pool = self._pool(url)
+        pool = self._pool(url, protocol)
         while True:
             sock = await pool.get(timeout=timeout)
             reused = pool.last_connection_reused  # set by this get(): nothing ran in between
@@ -159,7 +163,7 @@ class SocketPool:
             return
         sock.park()
         self._parked.add(sock)
-        self._pool(sock.url).put(sock)
+        self._pool(sock.url, sock.protocol).put(sock)
 
     def parked(self, url: str) -> list[WarmSocket]:
         """The sockets to `url` waiting for an utterance."""
@@ -167,7 +171,7 @@ class SocketPool:
 
     def discard(self, sock: WarmSocket) -> None:
         """Never used again: closed now (in the background)."""
-        self._pool(sock.url).remove(sock)
+        self._pool(sock.url, sock.protocol).remove(sock)
         self._spawn(self._close(sock))
 
     def cancel(self, sock: WarmSocket, sender: asyncio.Task, bound: float) -> None:
@@ -219,10 +223,17 @@ class SocketPool:
     async def _prewarm_one(self, endpoints: EndpointPool, ask_engine: bool) -> None:
         ep = await endpoints.acquire()
         try:
-            if ask_engine and not await endpoints.streams_text(ep, PREWARM_TIMEOUT_S):
+            # the engine's status says; vLLM-Omni has none: its upgrade says (404: no socket)
+            if (
+                ask_engine
+                and ep.protocol == "qwen3-tts"
+                and not await endpoints.streams_text(ep, PREWARM_TIMEOUT_S)
+            ):
+                return
+            if ep.streaming_text is False:
                 return
             # a parked socket if there is one, else a new one (still parked: its reader runs)
-            sock = await self._pool(ep.url).get(timeout=PREWARM_TIMEOUT_S)
+            sock = await self._pool(ep.url, ep.protocol).get(timeout=PREWARM_TIMEOUT_S)
             self._parked.discard(sock)
             self.put(sock)
         except Exception as e:  # as LiveKit's pool: a failed prewarm leaves the first reply to it
@@ -239,19 +250,21 @@ class SocketPool:
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(p.aclose() for p in self._pools.values()), return_exceptions=True)
 
-    async def _open(self, url: str, timeout: float) -> WarmSocket:
+    async def _open(self, url: str, protocol: str, timeout: float) -> WarmSocket:
         headers = dict(self._headers)
         propagate.inject(headers)  # the engine continues the trace of the utterance that opened it
-        ws = await connect(self._session(), url, headers, timeout)
+        ws = await connect(self._session(), url, headers, timeout,
+                           DIALECTS[protocol].subprotocols)  # fmt: skip
         self.opened += 1
-        return WarmSocket(ws, url, max_idle_s=self._max_idle_s, on_retired=self._retire)
+        return WarmSocket(ws, url, protocol=protocol, max_idle_s=self._max_idle_s,
+                          on_retired=self._retire)  # fmt: skip
 
     def _retire(self, sock: WarmSocket) -> None:
         """A parked socket closed itself, idle: out of the pool now, not at the next get()."""
         self.retired += 1
         self._parked.discard(sock)
         if not self._closed:
-            self._pool(sock.url).remove(sock)
+            self._pool(sock.url, sock.protocol).remove(sock)
 
     async def _close(self, sock: WarmSocket) -> None:  # the ConnectionPool's close_cb
         self._parked.discard(sock)
@@ -265,14 +278,15 @@ class SocketPool:
 
 
 async def connect(session: aiohttp.ClientSession, url: str, headers: dict[str, str],
-                  timeout: float) -> aiohttp.ClientWebSocketResponse:  # fmt: skip
-    """The WebSocket upgrade at `url`'s streaming-text route, within `timeout`; a failure raised
-    as what it means for the failover loop."""
+                  timeout: float, subprotocols: tuple[str, ...] = (SPEECH_STREAM_SUBPROTOCOL,),
+                  ) -> aiohttp.ClientWebSocketResponse:  # fmt: skip
+    """The WebSocket upgrade at `url`'s streaming-text route (`subprotocols`: the dialect's),
+    within `timeout`; a failure raised as what it means for the failover loop."""
     ws_url = "ws" + url.removeprefix("http") + SPEECH_STREAM_PATH
     try:
         async with asyncio.timeout(timeout):
             return await session.ws_connect(
-                ws_url, protocols=(SPEECH_STREAM_SUBPROTOCOL,), headers=headers,
+                ws_url, protocols=subprotocols, headers=headers,
                 # A peer that stops answering pings is found within `timeout` of the last
                 # message, in use (the engine may rightly be silent while text is open) or parked.
                 heartbeat=timeout * 2 / 3,

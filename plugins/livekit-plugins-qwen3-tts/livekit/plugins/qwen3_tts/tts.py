@@ -50,6 +50,7 @@ from .models import (
 )
 from .protocol import (
     MSG_SESSION_START,
+    OMNI_CONFIG,
     SAMPLE_RATE,
     SAMPLE_RATES,
     has_speakable_text,
@@ -107,14 +108,20 @@ class _TTSOptions:
     first_clause_chunk_frames: int | None = 2
     text_input: TextInput = "auto"
     sample_rate: int = SAMPLE_RATE  # of the audio asked for (the engine resamples)
+    protocols: tuple[str, ...] = ()  # one per base URL where they differ (else all `protocol`)
+
+    def dialects(self) -> tuple[str, ...]:
+        """The protocols in use (each endpoint's, `Endpoint.protocol`)."""
+        return tuple(dict.fromkeys(self.protocols or (self.protocol,)))
 
     def __post_init__(self) -> None:  # also checks what update_options() changes
         if self.first_chunk_frames not in (1, 2, 4):
             raise ValueError("first_chunk_frames must be 1, 2 or 4")
         if self.prefetch < 0:
             raise ValueError("prefetch must be >= 0")
-        if self.protocol not in ("qwen3-tts", "vllm-omni"):
-            raise ValueError("protocol must be 'qwen3-tts' or 'vllm-omni'")
+        if any(p not in ("qwen3-tts", "vllm-omni") for p in (self.protocol, *self.protocols)):
+            raise ValueError("protocol must be 'qwen3-tts' or 'vllm-omni' (or a list of them, "
+                             "one per base URL)")  # fmt: skip
         if self.task_type is not None and self.task_type not in _TASK_TYPES:
             raise ValueError(f"task_type must be one of {', '.join(_TASK_TYPES)}")
         m = self.first_clause_min_words
@@ -125,14 +132,10 @@ class _TTSOptions:
             raise ValueError(
                 f"text_input must be 'auto', 'stream' or 'sentences', not {self.text_input!r}"
             )
-        if self.text_input == "stream" and self.protocol != "qwen3-tts":
-            raise ValueError(
-                "text_input='stream' needs protocol='qwen3-tts' (vLLM-Omni takes sentences)"
-            )
         if self.sample_rate not in SAMPLE_RATES:
             raise ValueError(f"sample_rate must be one of {', '.join(map(str, SAMPLE_RATES))}, "
                              f"not {self.sample_rate!r}")  # fmt: skip
-        if self.sample_rate != SAMPLE_RATE and self.protocol != "qwen3-tts":
+        if self.sample_rate != SAMPLE_RATE and "vllm-omni" in self.dialects():
             raise ValueError(f"sample_rate={self.sample_rate} needs protocol='qwen3-tts' "
                              f"(vLLM-Omni sends {SAMPLE_RATE} Hz)")  # fmt: skip
         if self.first_clause_chunk_frames not in (None, 1, 2, 4):
@@ -148,8 +151,9 @@ class _TTSOptions:
         return replace(self, first_chunk_frames=frames)
 
     def streams_text(self) -> bool | None:
-        """Whether a stream's segments go over the streaming-text socket: None: ask the engine."""
-        if self.text_input == "sentences" or self.protocol != "qwen3-tts":
+        """Whether a stream's segments go over the streaming-text socket: None: ask the engine
+        (its status; vLLM-Omni's upgrade)."""
+        if self.text_input == "sentences":
             return False
         return True if self.text_input == "stream" else None
 
@@ -157,14 +161,35 @@ class _TTSOptions:
         """The `session.start` message of a segment's `index`-th streamed utterance: the fields
         of a request; the first asks for the small first chunk of a reply's first request when
         one is set (never larger than `first_chunk_frames`)."""
+        body = self._stream_body(seed, index, "qwen3-tts")
+        return {"type": MSG_SESSION_START, **body}
+
+    def stream_config(self, seed: int, index: int = 0) -> dict:
+        """vLLM-Omni's `session.config` for the same utterance: its own fields, the seed (so a
+        failover between dialects repeats the same audio), PCM streamed as it is made."""
+        body = self._stream_body(seed, index, "vllm-omni")
+        return {"type": OMNI_CONFIG, **body, "seed": seed, "stream_audio": True,
+                "initial_codec_chunk_frames": body.pop("first_chunk_frames")}  # fmt: skip
+
+    def stream_starts(self, seed: int, index: int = 0) -> dict[str, dict]:
+        """The opening message of the utterance in each dialect in use."""
+        make = {"qwen3-tts": self.stream_start, "vllm-omni": self.stream_config}
+        return {p: make[p](seed, index) for p in self.dialects()}
+
+    def _stream_body(self, seed: int, index: int, protocol: str) -> dict:
         frames = self.first_chunk_frames
         if index == 0:
             frames = min(self.first_clause_chunk_frames or frames, frames)
-        body = replace(self, first_chunk_frames=frames).request_body("", seed)
+        body = replace(self, first_chunk_frames=frames).request_body("", seed, protocol)
         del body["input"], body["stream"]
-        return {"type": MSG_SESSION_START, **body}
+        body.setdefault("first_chunk_frames", frames)
+        return body
 
-    def request_body(self, text: str, seed: int | None) -> dict:
+    def request_bodies(self, text: str, seed: int | None) -> dict[str, dict]:
+        """One sentence's JSON in each protocol in use."""
+        return {p: self.request_body(text, seed, p) for p in self.dialects()}
+
+    def request_body(self, text: str, seed: int | None, protocol: str | None = None) -> dict:
         """The JSON for one sentence. vLLM-Omni gets only the fields it defines."""
         body = {
             "model": self.model, "input": text, "voice": self.voice, "response_format": "pcm",
@@ -173,7 +198,7 @@ class _TTSOptions:
             "instructions": self.instructions, "ref_audio": self.ref_audio,
             "ref_text": self.ref_text, "max_new_tokens": self.max_new_tokens,
         }  # fmt: skip
-        if self.protocol == "qwen3-tts":
+        if (protocol or self.protocol) == "qwen3-tts":
             body.update(
                 variant=self.variant, temperature=self.temperature, top_k=self.top_k,
                 top_p=self.top_p, repetition_penalty=self.repetition_penalty, seed=seed,
@@ -206,7 +231,7 @@ class TTS(tts.TTS):
         first_chunk_frames: FirstChunkFrames = 4,
         first_clause_min_words: int | None = 3,
         first_clause_chunk_frames: int | None = 2,
-        protocol: Protocol = "qwen3-tts",
+        protocol: Protocol | list[Protocol] = "qwen3-tts",
         text_input: TextInput = "auto",
         sample_rate: int = SAMPLE_RATE,
         prefetch: int = 1,
@@ -265,6 +290,13 @@ class TTS(tts.TTS):
         )
         urls = base_url or os.environ.get("QWEN3_TTS_URL", DEFAULT_URL)
         urls = [u.strip() for u in urls.split(",")] if isinstance(urls, str) else list(urls)
+        protocols: tuple[str, ...] = ()
+        if not isinstance(protocol, str):  # one per base URL
+            protocols = tuple(protocol)
+            if len(protocols) != len(urls):
+                raise ValueError(f"{len(protocols)} protocols for {len(urls)} base URLs: give "
+                                 "one protocol, or one per URL")  # fmt: skip
+            protocol = protocols[0]
         self._opts = _TTSOptions(
             model=model, voice=voice, language=normalize_language(language),
             instructions=instructions, ref_audio=ref_audio, ref_text=ref_text,
@@ -273,7 +305,7 @@ class TTS(tts.TTS):
             max_new_tokens=max_new_tokens, first_chunk_frames=first_chunk_frames,
             protocol=protocol, prefetch=prefetch, first_clause_min_words=first_clause_min_words,
             first_clause_chunk_frames=first_clause_chunk_frames, text_input=text_input,
-            sample_rate=sample_rate,
+            sample_rate=sample_rate, protocols=protocols,
         )  # fmt: skip
         api_key = api_key or os.environ.get("QWEN3_TTS_API_KEY")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -284,7 +316,8 @@ class TTS(tts.TTS):
         )
         self._pool = EndpointPool(urls, self._client, strategy=strategy, probe_interval=probe_interval,
                                   load_interval=load_interval, resolve_interval=resolve_interval,
-                                  resolver=resolver, headers=self._headers)  # fmt: skip
+                                  resolver=resolver, headers=self._headers,
+                                  protocols=list(protocols or [protocol] * len(urls)))  # fmt: skip
         self._ws_session: aiohttp.ClientSession | None = None  # made when first needed
         if not socket_max_idle > 0:
             raise ValueError(f"socket_max_idle must be > 0 seconds, not {socket_max_idle!r}")
@@ -430,7 +463,7 @@ class TTS(tts.TTS):
         seed = opts.seed if opts.seed is not None else random.randrange(2**31)
         report.seed, report.first_chunk_frames = seed, opts.first_chunk_frames
         return HttpSentenceAttempt(pool=self._pool, client=self._client, headers=self._headers,
-                                   body=opts.request_body(report.text, seed), report=report,
+                                   bodies=opts.request_bodies(report.text, seed), report=report,
                                    deliver=deliver, on_sent=on_sent, conn=conn, ahead=ahead)  # fmt: skip
 
     def _socket_attempt(
@@ -441,7 +474,7 @@ class TTS(tts.TTS):
         first may still fall back to sentences where its engine takes no streamed text."""
         seed = opts.seed if opts.seed is not None else random.randrange(2**31)
         return SocketAttempt(pool=self._pool, sockets=self._sockets,
-                             start=opts.stream_start(seed, index), text=text, report=report,
+                             starts=opts.stream_starts(seed, index), text=text, report=report,
                              conn=conn, deliver=deliver, on_sent=on_sent,
                              ask_engine=opts.streams_text() is None, may_fall_back=index == 0)  # fmt: skip
 
