@@ -1,8 +1,8 @@
 """Why each utterance ended, against the REAL engine (127.0.0.1, the tiny checkpoint whose
 utterances end by EOS): a sentence capped by a small `max_new_tokens` ends as "length", on the
 sentence path (POST: `X-Finish-Reason`, or from an engine that names none, the cap seen reached)
-and over the streaming-text socket (`response.done`: `finish_reason`, or its `capped` flag); an
-uncapped one as "stop". Each is logged (a warning for anything but "stop"), counted in
+and over either socket dialect (`response.done`: `finish_reason`, or its `capped` flag;
+vLLM-Omni's `audio.done` / `session.done`); an uncapped one as "stop". Each is logged (a warning for anything but "stop"), counted in
 `TTS.finish_reasons` and emitted as the TTS's `"finish_reason"` event (what the agent exports).
 """
 
@@ -25,7 +25,10 @@ LONG = "The quick brown fox jumps over the lazy dog, and then it runs far far aw
 
 
 def _tts(url: str, text_input: str, max_new_tokens: int | None) -> qwen3_tts.TTS:
-    return qwen3_tts.TTS(base_url=url, voice="ryan", language="en", seed=7,
+    protocol = "qwen3-tts"
+    if text_input == "vllm-omni":  # the engine's vLLM-Omni dialect: audio.done / session.done
+        protocol, text_input = "vllm-omni", "stream"
+    return qwen3_tts.TTS(base_url=url, voice="ryan", language="en", seed=7, protocol=protocol,
                          text_input=text_input, max_new_tokens=max_new_tokens,
                          first_clause_min_words=None, timeout=httpx.Timeout(120.0))  # fmt: skip
 
@@ -41,7 +44,7 @@ async def _endings(tts: qwen3_tts.TTS, text: str) -> list[qwen3_tts.Ending]:
     return endings
 
 
-@pytest.mark.parametrize("text_input", ["sentences", "stream"])
+@pytest.mark.parametrize("text_input", ["sentences", "stream", "vllm-omni"])
 async def test_a_capped_sentence_ends_as_length_and_is_warned_of(engine, text_input, caplog):
     url = f"http://127.0.0.1:{engine.port}"
     tts = _tts(url, text_input, max_new_tokens=2)
@@ -52,7 +55,7 @@ async def test_a_capped_sentence_ends_as_length_and_is_warned_of(engine, text_in
     assert sum("finish_reason=length" in r.getMessage() for r in caplog.records) == 1
 
 
-@pytest.mark.parametrize("text_input", ["sentences", "stream"])
+@pytest.mark.parametrize("text_input", ["sentences", "stream", "vllm-omni"])
 async def test_an_uncapped_sentence_ends_as_stop_without_a_warning(engine, text_input, caplog):
     tts = _tts(f"http://127.0.0.1:{engine.port}", text_input, max_new_tokens=None)
     with caplog.at_level(logging.WARNING, logger="livekit.plugins.qwen3_tts"):

@@ -1,5 +1,5 @@
 """LiveKit TTS for Qwen3-TTS engines (ours on MLX, or vLLM-Omni on GPUs) over streaming HTTP,
-or over our engine's streaming-text WebSocket (`text_input`; the socket: `text_socket.py`).
+or over a streaming-text WebSocket in either's dialect (`text_input`; `text_socket.py`).
 Every utterance, either way, goes from engine to engine by one loop (`failover.py`).
 
 In sentence mode, text from the LLM is cut into sentences; each is synthesized as soon as it is complete, while the
@@ -256,13 +256,15 @@ class TTS(tts.TTS):
         a stream is open; power of two choices) or "priority" (the first healthy URL in order).
         A request fails over to another engine when one dies; one that answers 429 (full) is
         passed over for its Retry-After without being marked down. Use
-        `protocol="vllm-omni"` for a vLLM-Omni server (only its own fields are sent).
+        `protocol="vllm-omni"` for a vLLM-Omni server (only its own fields are sent; streamed
+        text in its socket dialect), or a list, one protocol per `base_url`.
         `text_input` says how a stream's text reaches the engine: `"stream"` as the LLM writes it,
-        over the engine's streaming-text WebSocket (one socket kept open from reply to reply, opened
-        by `prewarm()`: see docs/plugins.md); `"sentences"`
+        over the engine's streaming-text WebSocket in the endpoint's dialect (one socket kept
+        open from reply to reply, opened by `prewarm()`: see docs/plugins.md); `"sentences"`
         as one HTTP request per sentence (below); `"auto"` streams where the engine's status says
-        `streaming_text` (read once per endpoint) and sends sentences elsewhere (vLLM-Omni and
-        older engines). `synthesize()` always makes one HTTP request.
+        `streaming_text` (read once per endpoint; a vLLM-Omni endpoint: where its socket's
+        upgrade succeeds) and sends sentences elsewhere (older engines). `synthesize()` always
+        makes one HTTP request.
         `max_new_tokens` caps each sentence's frames on either path (under it a streamed segment
         is one socket utterance per sentence: the engine caps an utterance as a whole).
         `prefetch` is how many sentences may be requested ahead of the one playing.
