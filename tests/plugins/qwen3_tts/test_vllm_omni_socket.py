@@ -44,6 +44,10 @@ async def _connections(url: str, protocol: str = "vllm_omni") -> int:
     return 0
 
 
+async def _ready(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
 async def _until(condition) -> None:
     async with asyncio.timeout(HANG_GUARD):
         while not condition():
@@ -155,7 +159,7 @@ async def test_auto_speaks_sentences_to_a_vllm_omni_without_the_socket():
     app = web.Application()
     app.router.add_post("/v1/audio/speech", speech)
     app.router.add_get("/v1/audio/speech/stream", stream_route)
-    app.router.add_get("/ready", lambda r: web.Response(text="ok"))
+    app.router.add_get("/ready", _ready)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
@@ -172,3 +176,75 @@ async def test_auto_speaks_sentences_to_a_vllm_omni_without_the_socket():
         await runner.cleanup()
     assert upgrades == 1 and [p["input"] for p in posts] == REPLIES[:2]
     assert "seed" not in posts[0]  # vLLM-Omni's POST fields only
+
+
+class IdleOmni:
+    """A stand-in for a real vLLM-Omni's socket (127.0.0.1; vLLM-Omni needs a GPU): its
+    dialect as `serving_speech_stream.py` speaks it, with its idle rule: a socket that sends no
+    message for `idle_s` gets an error and is closed. Each flush with text is one sentence of
+    noise; an empty flush is answered by `session.done` at once."""
+
+    def __init__(self, idle_s: float) -> None:
+        self.idle_s, self.port, self.connections, self.idle_closes = idle_s, free_port(), 0, 0
+        app = web.Application()
+        app.router.add_get("/ready", _ready)
+        app.router.add_get("/v1/audio/speech/stream", self._stream)
+        self._runner = web.AppRunner(app, shutdown_timeout=1.0)
+
+    async def start(self) -> IdleOmni:
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def _stream(self, request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        self.connections += 1
+        text, flush = "", 0
+        while True:
+            try:
+                msg = await asyncio.wait_for(ws.receive(), self.idle_s)
+            except TimeoutError:
+                self.idle_closes += 1
+                await ws.send_json(
+                    {"type": "error", "message": "Idle timeout: no message received"}
+                )
+                await ws.close()
+                return ws
+            if msg.type != web.WSMsgType.TEXT:
+                return ws
+            event = msg.json()
+            if event["type"] == "input.text":
+                text += event["text"]
+            elif event["type"] == "input.done":
+                if text.strip():
+                    head = {"utterance_index": flush, "sentence_index": 0}
+                    await ws.send_json({"type": "audio.start", **head, "sentence_text": text,
+                                        "format": "pcm"})  # fmt: skip
+                    await ws.send_bytes(np.full(4800, 1000, np.int16).tobytes())
+                    await ws.send_json({"type": "audio.done", **head})
+                await ws.send_json({"type": "session.done", "utterance_index": flush,
+                                    "total_sentences": int(bool(text.strip()))})  # fmt: skip
+                text, flush = "", flush + 1
+
+
+async def test_a_parked_vllm_omni_socket_outlives_the_servers_idle_timeout_by_empty_flushes():
+    """vLLM-Omni closes a socket silent for its idle timeout (30 s; 2 s here): parked, the
+    plugin's socket sends an empty `input.done` (here every 0.1 s, 15 s by default) and reads
+    the `session.done` answers; after more keepalives than the idle timeout spans, the next
+    reply is spoken on the same socket, its own `session.done` told from theirs by its index."""
+    server = await IdleOmni(idle_s=2.0).start()
+    url = f"http://127.0.0.1:{server.port}"
+    tts = _tts([url], protocol="vllm-omni", text_input="stream")
+    tts.sockets.omni_keepalive_s = 0.1
+    try:
+        for i, text in enumerate(REPLIES[:2]):
+            stream, audio = await asyncio.wait_for(_speak(tts, _tokens(text)), HANG_GUARD)
+            assert len(audio) == 4800 and stream.text_streams[0].warm is (i > 0)
+            if i == 0:
+                [sock] = tts.sockets.parked(url)
+                await _until(lambda s=sock: s.keepalives >= 30)  # 3 s of them: past the 2 s idle
+        assert tts.sockets.opened == 1 and server.connections == 1 and server.idle_closes == 0
+    finally:
+        await tts.aclose()
+        await server._runner.cleanup()

@@ -30,6 +30,8 @@ from .protocol import (
     EV_DONE,
     EV_ERROR,
     MSG_CANCEL,
+    OMNI_INPUT_DONE,
+    OMNI_SESSION_DONE,
     SPEECH_STREAM_PATH,
     SPEECH_STREAM_SUBPROTOCOL,
     retry_after_s,
@@ -41,6 +43,10 @@ from .socket_dialects import DIALECTS
 MAX_IDLE_S = 240.0
 IDLE_CLOSE_REASON = b"idle"  # the close frame's reason when the plugin retires an idle socket
 PREWARM_TIMEOUT_S = 10.0  # LiveKit's default `conn_options.timeout`
+# vLLM-Omni closes a socket that sent no message for 30 s (its idle timeout; pings do not count):
+# a parked socket of its dialect sends an empty flush (`input.done`, answered by `session.done`)
+# this often, as LiveKit's Baseten plugin does.
+OMNI_KEEPALIVE_S = 15.0
 
 
 class WarmSocket:
@@ -49,6 +55,7 @@ class WarmSocket:
 
     def __init__(self, ws: aiohttp.ClientWebSocketResponse, url: str, *,
                  protocol: str = "qwen3-tts", max_idle_s: float = MAX_IDLE_S,
+                 keepalive_s: float | None = None,
                  on_retired: Callable[[WarmSocket], None] | None = None) -> None:  # fmt: skip
         self.ws, self.url, self.protocol = ws, url, protocol
         self.reused = False
@@ -56,6 +63,8 @@ class WarmSocket:
         self.flushes = 0  # vLLM-Omni's dialect: `input.done`s sent (the server counts them too)
         self.retired = False  # closed by its parked reader after `max_idle_s` idle
         self._max_idle_s, self._on_retired = max_idle_s, on_retired
+        self._keepalive_s = keepalive_s  # parked: an empty flush this often (vLLM-Omni's dialect)
+        self.keepalives = 0  # empty flushes sent
         self._dead = False  # the parked reader saw a close or a message nobody asked for
         self._reader: asyncio.Task | None = None
         self.park()  # a new socket waits in the pool (prewarm) until it is taken
@@ -92,7 +101,7 @@ class WarmSocket:
         # pong (aiohttp), which the heartbeat sends more often than any idle bound.
         try:
             async with asyncio.timeout(deadline - time.monotonic()):
-                msg = await self.ws.receive()  # pings are answered in there; returns on the rest
+                msg = await self._receive_parked()
         except TimeoutError:
             self._dead = self.retired = True
             logger.info("TTS socket to %s idle for %g s: retired", self.url, self._max_idle_s)
@@ -110,6 +119,36 @@ class WarmSocket:
             logger.info("TTS socket to %s: %s while idle: dropped", self.url, msg.type.name)
         if not self.ws.closed:
             await self.ws.close()
+
+    async def _receive_parked(self) -> aiohttp.WSMessage:
+        """The next message that is not an answer to our keepalive (pings are answered inside
+        `receive()`)."""
+        while True:
+            if self._keepalive_s is None:
+                return await self.ws.receive()
+            try:
+                async with asyncio.timeout(self._keepalive_s):
+                    msg = await self.ws.receive()
+            except TimeoutError:
+                try:
+                    await self.ws.send_json({"type": OMNI_INPUT_DONE})
+                except asyncio.CancelledError:  # taken mid-send: whether the server counts
+                    self._dead = True  # this flush is unknown, so its indices would be too
+                    raise
+                self.flushes += 1  # the server counts each flush: its events carry the index
+                self.keepalives += 1
+                continue
+            if msg.type == aiohttp.WSMsgType.TEXT and _is_flush_done(msg.data):
+                continue  # a keepalive's answer
+            return msg
+
+
+def _is_flush_done(data: str) -> bool:
+    try:
+        event = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(event, dict) and event.get("type") == OMNI_SESSION_DONE
 
 
 class SocketPool:
@@ -129,6 +168,7 @@ class SocketPool:
         self._prewarm: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
         self.opened = self.retired = 0
+        self.omni_keepalive_s = OMNI_KEEPALIVE_S  # a parked vLLM-Omni socket's (tests shorten it)
         self._closed = False
 
     def _pool(self, url: str, protocol: str) -> utils.ConnectionPool[WarmSocket]:
@@ -256,8 +296,9 @@ class SocketPool:
         ws = await connect(self._session(), url, headers, timeout,
                            DIALECTS[protocol].subprotocols)  # fmt: skip
         self.opened += 1
+        keepalive = self.omni_keepalive_s if protocol == "vllm-omni" else None
         return WarmSocket(ws, url, protocol=protocol, max_idle_s=self._max_idle_s,
-                          on_retired=self._retire)  # fmt: skip
+                          keepalive_s=keepalive, on_retired=self._retire)  # fmt: skip
 
     def _retire(self, sock: WarmSocket) -> None:
         """A parked socket closed itself, idle: out of the pool now, not at the next get()."""
