@@ -1,5 +1,5 @@
 """The engine's streaming-text WebSocket from a test's side: connect, read, speak an utterance
-(one copy for the serving and governor tests). The socket stays open after an utterance's
+(one copy for the serving and governor tests); `DIALECTS`: every socket dialect's client side. The socket stays open after an utterance's
 `response.done` (for the next `session.start`): `until_done` reads one utterance. Every wait is bounded by HANG_GUARD, a bound
 only a hang reaches."""
 
@@ -9,13 +9,18 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 
 import aiohttp
 import numpy as np
 
 from qwen3_tts_engine.dispatch.engine import Engine
 from qwen3_tts_engine.dispatch.handler import Handler
-from qwen3_tts_engine.protocol import SPEECH_STREAM_PATH, SPEECH_STREAM_SUBPROTOCOL
+from qwen3_tts_engine.protocol import (
+    QWEN_REALTIME_PATH,
+    SPEECH_STREAM_PATH,
+    SPEECH_STREAM_SUBPROTOCOL,
+)
 from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 
 HANG_GUARD = 180
@@ -107,3 +112,68 @@ async def speak(
     """One utterance on a socket of its own (closed by the client after it); its events."""
     async with connect(session, api_key) as ws:
         return await utterance(ws, start, pieces)
+
+
+# -- every socket dialect, for the tests that hold for all of them (tests/engine/serving/
+# test_socket_abuse.py): how a client opens an utterance with text, and reads an error's status
+
+
+@dataclass(frozen=True)
+class Dialect:
+    name: str  # the metrics' protocol label
+    path: str
+    protocols: tuple[str, ...]
+    start: tuple[dict, ...]  # what opens an utterance (before its text)
+    append_type: str  # the message that carries a piece of text
+    text_param: str = "text"
+
+    def connect(self, session: aiohttp.ClientSession, api_key: str | None, **kw):
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        return session.ws_connect(self.path, headers=headers, protocols=self.protocols,
+                                  timeout=aiohttp.ClientWSTimeout(ws_close=HANG_GUARD), **kw)  # fmt: skip
+
+    def append(self, text: str) -> dict:
+        return {"type": self.append_type, self.text_param: text}
+
+    async def open_text(self, ws, text: str) -> None:
+        """An utterance begun with `text`, its text left open."""
+        for message in self.start:
+            await ws.send_json(message)
+        await ws.send_json(self.append(text))
+
+    @staticmethod
+    def status(event: dict) -> int | None:
+        """An error event's status (each dialect words it in its own place), else None."""
+        if event.get("type") != "error":
+            return None
+        return event["status"] if "status" in event else event["error"]["status"]
+
+
+DIALECTS = {
+    "speech_stream": Dialect(
+        "speech_stream", SPEECH_STREAM_PATH, (SPEECH_STREAM_SUBPROTOCOL,),
+        ({"type": "session.start", "voice": "ryan", "language": "en", "seed": 3},),
+        "input_text.append",
+    ),
+    "qwen_realtime": Dialect(
+        "qwen_realtime", f"{QWEN_REALTIME_PATH}?model=qwen3-tts-flash-realtime", (),
+        ({"type": "session.update", "session": {"voice": "ryan", "mode": "server_commit",
+                                                "language_type": "English", "seed": 3}},),
+        "input_text_buffer.append",
+    ),
+    "vllm_omni": Dialect(
+        "vllm_omni", SPEECH_STREAM_PATH, (),
+        ({"type": "session.config", "voice": "ryan", "task_type": "CustomVoice", "language": "English",
+          "response_format": "pcm", "stream_audio": True, "seed": 3},),
+        "input.text",
+    ),
+}  # fmt: skip
+
+
+async def until_error(ws: aiohttp.ClientWebSocketResponse) -> tuple[dict | None, aiohttp.WSMessage]:
+    """Read to the server's close: (the error event, if one came, and the close message)."""
+    error = None
+    while not isinstance(m := await receive(ws), aiohttp.WSMessage):
+        if isinstance(m, dict) and m.get("type") == "error":
+            error = m
+    return error, m

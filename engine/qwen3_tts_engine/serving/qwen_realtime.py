@@ -6,7 +6,8 @@ The client's events (`session.update`, `input_text_buffer.append` / `.commit` / 
 each, one at a time; the server's are the hosted service's (`session.created`, ...,
 `response.audio.delta` with base64 PCM, ..., `session.finished`), each with an `event_id`.
 docs/engine-api.md lists the fields honoured and those accepted and ignored, and the rule by
-which `server_commit` mode cuts the text into responses (`sentence_parts`).
+which `server_commit` mode cuts the text into responses (`sentence_parts`); the responses waiting
+are the core's `Backlog` (at most `ws_max_pending`: past it sentences join the last one).
 """
 
 from __future__ import annotations
@@ -14,21 +15,14 @@ from __future__ import annotations
 import base64
 import itertools
 import json
-import re
-import time
-from collections import deque
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from qwen3_tts_engine.dispatch.text_input import TextInput
-from qwen3_tts_engine.protocol import (
-    QWEN_REALTIME_PATH,
-    RequestError,
-    check_input,
-    check_length,
-    check_text,
-)
+from qwen3_tts_engine.protocol import QWEN_REALTIME_PATH, RequestError, check_length
 from qwen3_tts_engine.serving.errors import RETRY_STATUSES
+from qwen3_tts_engine.serving.session_core import Backlog, split_parts
 from qwen3_tts_engine.serving.socket_session import SocketHub, SocketSession, Utterance
 
 MODES = ("server_commit", "commit")
@@ -41,23 +35,24 @@ SESSION_FIELDS = {"voice": "voice", "language_type": "language", "instructions":
 IGNORED_FIELDS = ("speech_rate", "volume", "pitch_rate", "bit_rate", "enable_tn",
                   "optimize_instructions")  # fmt: skip
 MAX_SESSION_FIELDS = 64
+# an incomplete response's reason (the Realtime API's words) by the engine's finish_reason
+INCOMPLETE = {"length": "max_output_tokens", "repetition": "repetition"}
 
-# A sentence ends at . ! ? or … (then closing quotes or brackets) before whitespace or the end of
-# a piece, or at a full-width 。！？ anywhere (no space follows those).
-_SENTENCE_END = re.compile(r"[.!?…]+[\"'”’)\]]*(?=\s|$)|[。！？]+[\"'”’」』)\]]*")
+# (PCM as base64 in JSON: the flow control's bytes per byte of audio)
+BASE64_RATIO = 4 / 3
 
 
 def sentence_parts(piece: str) -> list[tuple[str, bool]]:
-    """`piece` cut after each sentence end: [(part, whether it ends a sentence)], in order. A
-    piece that ends with "." ends its sentence (a number cut as "3." + "5" is cut there too;
-    commit mode leaves the cutting to the client)."""
-    parts, at = [], 0
-    for m in _SENTENCE_END.finditer(piece):
-        parts.append((piece[at : m.end()], True))
-        at = m.end()
-    if at < len(piece):
-        parts.append((piece[at:], False))
-    return parts
+    """`piece` cut after each sentence end (the core's rule, `session_core.split_parts`):
+    [(part, whether it ends a sentence)]; commit mode leaves the cutting to the client."""
+    return split_parts(piece, "sentence")
+
+
+@dataclass
+class Text:
+    """One response's text in the backlog."""
+
+    text: TextInput
 
 
 class QwenRealtimeRoutes:
@@ -80,12 +75,17 @@ class QwenRealtimeSession(SocketSession):
         self.mode = "server_commit"
         self.settings: dict = {"response_format": "pcm"}  # as the client named them
         self.buffer = ""  # commit mode: appended, not committed yet
-        # texts committed (server_commit: also the one still growing) that no response took yet
-        self.pending: deque[TextInput] = deque()
-        self.open: TextInput | None = None  # server_commit: the text still growing
+        # texts committed (server_commit: also the one still growing, `backlog.open`) that no
+        # response took yet
+        self.backlog: Backlog[Text] = Backlog(self.limits.max_pending, self.config.limits)
         self.finishing = False  # session.finish came: speak what is left, then session.finished
         self._ids = itertools.count(1)
         self._client_event: str | None = None
+
+    wire_ratio = BASE64_RATIO
+
+    def text_open(self) -> bool:
+        return bool(self.buffer) or self.backlog.open is not None or super().text_open()
 
     def _event(self, kind: str, **fields) -> dict:
         return {"event_id": f"event_{self.rid}_{next(self._ids)}", "type": kind, **fields}
@@ -146,41 +146,25 @@ class QwenRealtimeSession(SocketSession):
             raise RequestError(e.message, param=theirs and f"session.{theirs}", status=e.status,
                                code=e.code) from None  # fmt: skip
         self.settings = settings
-        if mode != self.mode and self.open is not None:  # to commit mode: what grew is committed
-            self._close_open()
+        if mode != self.mode:  # to commit mode: what grew is committed
+            self.backlog.close_open()
         self.mode = mode
         await self.send_json(self._event("session.updated", session=self._session()))
         await self._next()
 
     async def _append(self, text: object) -> None:
-        if not isinstance(text, str):
-            raise RequestError("input_text_buffer.append needs a string `text`", param="text")
-        check_text(text, "text")  # each piece, as it comes: the worker's tokenizer never sees it
+        # each piece, as it comes (the worker's tokenizer never sees a bad one; a message holds
+        # no more text than one response may)
+        text = self.check_piece(text)
         if self.finishing:
             raise RequestError("input_text_buffer.append after session.finish")
-        limits = self.config.limits
         if self.mode == "commit":
-            check_length(len(self.buffer) + len(text), limits)
+            check_length(len(self.buffer) + len(text), self.config.limits)
             self.buffer += text
-            self.idle_since = time.perf_counter()  # composing: not idle
             return
         for part, ends in sentence_parts(text):
-            if self.open is None:
-                if not part.strip():
-                    continue  # the space between two sentences starts no response
-                self.open = TextInput()
-                self.pending.append(self.open)
-            check_length(self.open.chars + len(part), limits)
-            self.open.append(part)  # to the worker at once if its response is speaking
-            if ends:
-                self._close_open()
+            self.backlog.add(part, ends, lambda: Text(TextInput()))
         await self._next()
-
-    def _close_open(self) -> None:
-        """The growing text is whole (a sentence end, a commit, the finish)."""
-        text, self.open = self.open, None
-        check_input(text.text, self.config.limits)  # as POST checks `input`
-        text.end()
 
     async def _commit(self) -> None:
         if self.mode == "commit":
@@ -190,39 +174,34 @@ class QwenRealtimeSession(SocketSession):
                     self.error_event(RequestError("the input text buffer is empty"))
                 )
                 return
-            text = TextInput(self.buffer)
+            self.backlog.push(Text(TextInput(self.buffer)))
             self.buffer = ""
-            check_input(text.text, self.config.limits)
-            text.end()
-            self.pending.append(text)
-        elif self.open is not None:  # server_commit: at once (nothing left: nothing to do)
-            self._close_open()
+        else:  # server_commit: at once (nothing left: nothing to do)
+            self.backlog.close_open()
         await self.send_json(self._event("input_text_buffer.committed",
-                                         item_id=f"item_{self.rid}_{self.started + len(self.pending)}"))  # fmt: skip
+                                         item_id=f"item_{self.rid}_{self.started + self.backlog.waiting}"))  # fmt: skip
         await self._next()
 
     async def _clear(self) -> None:
         """Text no response has taken is dropped; a response speaking has its text ended."""
         self.buffer = ""
-        self.pending.clear()
+        open_ = self.backlog.open
+        self.backlog.clear()
         utt = self.utterance
-        if self.open is not None and utt is not None and utt.text is self.open:
+        if open_ is not None and utt is not None and utt.text is open_.text:
             self.end_text()
-        self.open = None
         await self.send_json(self._event("input_text_buffer.cleared"))
 
     async def _finish(self) -> None:
         if self.mode == "commit" and self.buffer:
             await self._commit()
-        if self.open is not None:
-            self._close_open()
+        self.backlog.close_open()
         self.finishing = True
         await self._next()
 
     async def _cancel(self) -> None:
         """The SDK's `cancel_response`: the response speaking stops, the text waiting goes."""
-        self.pending.clear()
-        self.open = None
+        self.backlog.clear()
         utt = self.utterance
         if await self.cancel():
             await self._send_end(utt, "cancelled")
@@ -233,24 +212,25 @@ class QwenRealtimeSession(SocketSession):
         utt = self.utterance
         if utt is not None and not utt.settled:
             return
-        if self.pending:
-            utt = self.start_utterance(self._fields(), self.pending.popleft())
-            rid, iid = f"resp_{utt.rid}", f"item_{utt.rid}"
-            await self.send_json(
-                self._event("response.created", response=self._response(utt, "in_progress"))
-            )
-            await self.send_json(self._event("response.output_item.added", response_id=rid, output_index=0,
-                                             item=self._item(utt, "in_progress")))  # fmt: skip
-            await self.send_json(self._event("response.content_part.added", response_id=rid, item_id=iid,
-                                             output_index=0, content_index=0,
-                                             part={"type": "audio", "text": ""}))  # fmt: skip
-            self.begin()
+        if (item := self.backlog.pop()) is not None:
+            await self.open_utterance(self._fields(), item.text)
         elif self.finishing and not self.closing:
             await self.send_json(self._event("session.finished"))
             self.closing = True  # `run` closes with 1000
 
     async def after_utterance(self, utt: Utterance) -> None:
         await self._next()
+
+    async def send_started(self, utt: Utterance) -> None:
+        rid, iid = f"resp_{utt.rid}", f"item_{utt.rid}"
+        await self.send_json(
+            self._event("response.created", response=self._response(utt, "in_progress"))
+        )
+        await self.send_json(self._event("response.output_item.added", response_id=rid, output_index=0,
+                                         item=self._item(utt, "in_progress")))  # fmt: skip
+        await self.send_json(self._event("response.content_part.added", response_id=rid, item_id=iid,
+                                         output_index=0, content_index=0,
+                                         part={"type": "audio", "text": ""}))  # fmt: skip
 
     # -- server events -----------------------------------------------------------------------
 
@@ -262,8 +242,13 @@ class QwenRealtimeSession(SocketSession):
             response["usage"] = {"characters": utt.text.chars}
             # the engine's own account (as its protocol's response.done)
             response["qwen3_tts"] = {**utt.counts(), "variant": utt.result.variant}
-        if status == "incomplete":
-            response["status_details"] = {"type": "incomplete", "reason": "max_output_tokens"}
+        if status != "in_progress":  # why it ended, in the engine's words too (finish_reason)
+            reason = utt.finish_reason or "stop"
+            response["status_details"] = {"type": status, "finish_reason": reason}
+            if status == "incomplete":
+                response["status_details"]["reason"] = INCOMPLETE.get(reason, reason)
+            elif status == "cancelled":
+                response["status_details"]["reason"] = "client_cancelled"
         return response
 
     def _item(self, utt: Utterance, status: str) -> dict:
@@ -277,7 +262,7 @@ class QwenRealtimeSession(SocketSession):
         await self.send_bounded(json.dumps(event))
 
     async def send_done(self, utt: Utterance) -> None:
-        await self._send_end(utt, "incomplete" if utt.counts()["capped"] else "completed")
+        await self._send_end(utt, "completed" if utt.finish_reason == "stop" else "incomplete")
 
     async def _send_end(self, utt: Utterance, status: str) -> None:
         ids = {"response_id": f"resp_{utt.rid}", "item_id": f"item_{utt.rid}"}

@@ -34,6 +34,10 @@ class ServerConfig:
     # when one frame takes longer than the timeout to go out
     ws_send_buffer_bytes: int = 1 << 20
     ws_send_timeout_s: float = 30.0
+    # flow control: a stream takes no more audio from the engine while this many seconds of it
+    # wait unsent for its client (the transport's buffer and the kernel's send queue); the
+    # engine then pauses it (docs/engine-api.md, "Limits")
+    ws_ahead_s: float = 3.0
     # WebSocket sessions (docs/engine-api.md, "Limits"): at most max_sessions open (more: 429 at
     # the upgrade); a session's first text within ws_first_text_timeout_s of its upgrade, then a
     # message within ws_idle_timeout_s while its text is open, or it ends with a 408 `error`

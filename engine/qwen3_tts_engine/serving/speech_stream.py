@@ -17,12 +17,9 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from qwen3_tts_engine.protocol import (
-    SPEECH_STREAM_SUBPROTOCOL,
-    RequestError,
-    check_text,
-)
+from qwen3_tts_engine.protocol import SPEECH_STREAM_SUBPROTOCOL, RequestError
 from qwen3_tts_engine.serving.errors import RETRY_STATUSES
+from qwen3_tts_engine.serving.session_core import Command, allowed
 from qwen3_tts_engine.serving.socket_session import SocketHub, SocketSession, Utterance
 
 SUBPROTOCOL = SPEECH_STREAM_SUBPROTOCOL
@@ -60,7 +57,7 @@ class SpeechStreamSession(SocketSession):
         kind = body["type"]
         utt = self.utterance
         if kind == "session.start":
-            if utt is not None and not utt.settled:
+            if not allowed(utt.state if utt else None, Command.CONFIGURE):
                 raise RequestError("the session has started already: the next session.start "
                                    "comes after this utterance's response.done")  # fmt: skip
             if len(body) > MAX_START_FIELDS:
@@ -91,20 +88,18 @@ class SpeechStreamSession(SocketSession):
         rest of its text, its end, a second cancel. Text after its own end is an error."""
         text = self.utterance.text
         if kind == "input_text.append":
-            piece = body.get("text")
-            if not isinstance(piece, str):
-                raise RequestError("input_text.append needs a string `text`", param="text")
-            check_text(piece, "text")
+            self.check_piece(body.get("text"))
             if text.ended:
                 raise RequestError("input_text.append after input_text.end")
         elif kind == "input_text.end":
             text.end()
 
     async def _start(self, fields: dict) -> None:
-        utt = self.start_utterance(fields)
+        await self.open_utterance(fields)
+
+    async def send_started(self, utt: Utterance) -> None:
         await self.send_json({"type": "session.created", "id": utt.rid, "sample_rate": utt.req.sample_rate,
                               "variant": str(utt.req.variant or self.service.engine.active.variant)})  # fmt: skip
-        self.begin()
 
     def error_event(self, error: RequestError) -> dict:
         return error_event(error, self.config.retry_after_s)

@@ -6,36 +6,26 @@ The client sends `session.config` (sticky, replaceable between flushes), `input.
 `input.done` (a flush: `session.done`, the socket stays open; an empty one answers at once with
 zero sentences) and `session.close`. The server answers per sentence `audio.start`, binary PCM
 (or one binary frame in `response_format` when `stream_audio` is false) and `audio.done`, then
-`session.done` per flush, as vLLM-Omni words them (`vllm_omni/entrypoints/openai/
-serving_speech_stream.py`). Unlike vLLM-Omni, the text reaches the talker as it arrives: a
+`session.done` per flush, as vLLM-Omni words them (its streaming speech handler, package
+`vllm-omni` 0.30.0). Unlike vLLM-Omni, the text reaches the talker as it arrives: a
 sentence's synthesis starts with its first text. docs/engine-api.md lists each config field.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
-from collections import deque
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from qwen3_tts_engine.audio import encode_whole
 from qwen3_tts_engine.dispatch.text_input import TextInput
-from qwen3_tts_engine.protocol import (
-    CHUNK_FRAMES,
-    RESPONSE_FORMATS,
-    RequestError,
-    check_input,
-    check_length,
-    check_text,
-)
+from qwen3_tts_engine.protocol import CHUNK_FRAMES, RESPONSE_FORMATS, RequestError
+from qwen3_tts_engine.serving.session_core import SPLITS, Backlog, split_parts
 from qwen3_tts_engine.serving.socket_session import SocketHub, SocketSession, Utterance
-from qwen3_tts_engine.serving.speech_service import finish_reason
 
 PROTOCOL = "vllm_omni"
 MAX_CONFIG_FIELDS = 64
-SPLITS = ("none", "sentence", "clause")
 # session.config's fields the engine honours -> the POST field each becomes ("speaker" is
 # vLLM-Omni's alias of voice; initial_codec_chunk_frames is mapped by `_first_chunk_frames`)
 CONFIG_FIELDS = {"model": "model", "voice": "voice", "speaker": "voice", "task_type": "task_type",
@@ -54,26 +44,6 @@ REFUSED_FIELDS = {"x_vector_only_mode": "x_vector_only_mode (a speaker embedding
                   "speaker_embedding": "speaker_embedding is not supported: send ref_audio",
                   "word_timestamps": "word_timestamps=true needs a forced aligner, which this "
                                      "engine does not have"}  # fmt: skip
-
-# Sentence ends (vLLM-Omni's `speech_text_splitter.py`, without its abbreviation rules): ASCII
-# . ! ? before whitespace or the end of a piece, script marks anywhere; clauses add , ; and
-# their script forms. Closing quotes and brackets stay with the unit they close.
-_CLOSERS = "\"'”’»)\\]}』」）】"
-_SENTENCE = re.compile(rf"[.!?]+[{_CLOSERS}]*(?=\s|$)|[。！？…।॥؟]+[{_CLOSERS}]*")
-_CLAUSE = re.compile(rf"[.!?,;]+[{_CLOSERS}]*(?=\s|$)|[。！？…।॥؟，；،؛]+[{_CLOSERS}]*")
-
-
-def split_parts(piece: str, granularity: str) -> list[tuple[str, bool]]:
-    """`piece` cut after each unit end of `granularity`: [(part, whether it ends a unit)]."""
-    if granularity == "none":
-        return [(piece, False)]
-    parts, at = [], 0
-    for m in (_SENTENCE if granularity == "sentence" else _CLAUSE).finditer(piece):
-        parts.append((piece[at : m.end()], True))
-        at = m.end()
-    if at < len(piece):
-        parts.append((piece[at:], False))
-    return parts
 
 
 def _first_chunk_frames(value: object) -> int | None:
@@ -154,14 +124,18 @@ class VllmOmniSession(SocketSession):
     def __init__(self, *args) -> None:
         super().__init__(*args)
         self.cfg: Config | None = None
-        self.pending: deque[Sentence | FlushDone] = deque()  # in order, not yet begun
-        self.open: Sentence | None = None  # the sentence whose text still arrives
+        # sentences and flush ends in order, not yet begun (`backlog.open`: the sentence whose
+        # text still arrives, begun or not)
+        self.backlog: Backlog[Sentence] = Backlog(self.limits.max_pending, self.config.limits)
         self.flush_index = 0  # utterance_index: the flushes so far
         self.in_flush = 0  # sentences of the current flush so far
         self.flush_open = False  # text came since the last input.done
         self.speaking: Sentence | None = None
         self.last_reason = "stop"
         self.finishing = False
+
+    def text_open(self) -> bool:
+        return self.flush_open or super().text_open()
 
     # -- client messages ----------------------------------------------------------------------
 
@@ -186,41 +160,20 @@ class VllmOmniSession(SocketSession):
         else:
             raise RequestError(f"Unknown message type: {kind[:64]}", param="type")
 
+    def _sentence(self) -> Sentence:
+        self.in_flush += 1
+        return Sentence(TextInput(), self.cfg, self.flush_index, self.in_flush - 1)
+
     async def _text(self, text: object) -> None:
-        if not isinstance(text, str):
-            raise RequestError("input.text requires a string value", param="text")
-        check_text(text, "text")
-        limits = self.config.limits
-        check_length(len(text), limits)  # one message holds no more than one utterance's text
+        text = self.check_piece(text if text is not None else "")
+        self.flush_open = self.flush_open or bool(text)  # (vLLM-Omni's utterance_open)
         for part, ends in split_parts(text, self.cfg.split):
-            if self.open is None:
-                if not part.strip():
-                    continue  # the space between two sentences starts none
-                self.open = Sentence(TextInput(), self.cfg, self.flush_index, self.in_flush)
-                self.in_flush += 1
-                self.pending.append(self.open)
-            self.flush_open = True
-            check_length(self.open.text.chars + len(part), limits)
-            self.open.text.append(part)  # to the worker at once if it is speaking
-            if ends and self._room():
-                self._close_open()
+            self.backlog.add(part, ends, self._sentence)  # past ws_max_pending: joins the last
         await self._next()
 
-    def _room(self) -> bool:
-        """Whether another sentence may queue (ws_max_pending): past it, sentence ends are not
-        cut and the text joins the last sentence (bounded by its length limit)."""
-        waiting = sum(1 for p in self.pending if isinstance(p, Sentence))
-        return waiting < self.config.ws_max_pending
-
-    def _close_open(self) -> None:
-        sentence, self.open = self.open, None
-        check_input(sentence.text.text, self.config.limits)
-        sentence.text.end()
-
     async def _flush(self) -> None:
-        if self.open is not None:
-            self._close_open()
-        self.pending.append(FlushDone(self.flush_index, self.in_flush))
+        self.backlog.close_open()
+        self.backlog.mark(FlushDone(self.flush_index, self.in_flush))
         self.flush_index += 1
         self.in_flush = 0
         self.flush_open = False
@@ -229,13 +182,10 @@ class VllmOmniSession(SocketSession):
     async def _close(self) -> None:
         """session.close: what was flushed is spoken, text not flushed is dropped (as vLLM-Omni
         does); then the server closes (1000)."""
-        if self.open is not None:
-            dropped, self.open = self.open, None
-            if self.speaking is dropped:
-                await self.cancel()
-                self.speaking = None
-            else:
-                self.pending.remove(dropped)
+        dropped = self.backlog.drop_open()
+        utt = self.utterance
+        if dropped is not None and dropped is self.speaking and await self.cancel():
+            await self._sentence_done(dropped, utt)  # its audio.done says "abort"
         self.finishing = True
         await self._next()
 
@@ -246,8 +196,7 @@ class VllmOmniSession(SocketSession):
         utt = self.utterance
         if utt is not None and not utt.settled:
             return
-        while self.pending:
-            item = self.pending.popleft()
+        while (item := self.backlog.pop()) is not None:
             if isinstance(item, FlushDone):
                 await self.send_json({"type": "session.done", "utterance_index": item.utterance_index,
                                       "total_sentences": item.total,
@@ -255,15 +204,7 @@ class VllmOmniSession(SocketSession):
                 self.last_reason = "stop"
                 continue
             self.speaking = item
-            fields = {**item.config.fields, "response_format": "pcm"}
-            utt = self.start_utterance(fields, item.text)
-            start = {"type": "audio.start", "utterance_index": item.utterance_index,
-                     "sentence_index": item.sentence_index, "sentence_text": item.text.text,
-                     "format": item.config.response_format}  # fmt: skip
-            if item.config.stream_audio:
-                start["sample_rate"] = utt.req.sample_rate
-            await self.send_json(start)
-            self.begin()
+            await self.open_utterance({**item.config.fields, "response_format": "pcm"}, item.text)
             return
         if self.finishing and not self.closing:
             self.closing = True  # `run` closes with 1000
@@ -272,6 +213,15 @@ class VllmOmniSession(SocketSession):
         await self._next()
 
     # -- server events ------------------------------------------------------------------------
+
+    async def send_started(self, utt: Utterance) -> None:
+        item = self.speaking
+        start = {"type": "audio.start", "utterance_index": item.utterance_index,
+                 "sentence_index": item.sentence_index, "sentence_text": item.text.text,
+                 "format": item.config.response_format}  # fmt: skip
+        if item.config.stream_audio:
+            start["sample_rate"] = utt.req.sample_rate
+        await self.send_json(start)
 
     async def send_audio(self, utt: Utterance, pcm: bytes) -> None:
         sentence = self.speaking
@@ -291,13 +241,15 @@ class VllmOmniSession(SocketSession):
                                            utt.req.sample_rate)  # fmt: skip
             sentence.bytes = len(body)
             await self.send_bounded(body)
-        reason = finish_reason(utt.result)
-        if reason != "stop":
-            self.last_reason = reason
+        await self._sentence_done(sentence, utt)
+
+    async def _sentence_done(self, sentence: Sentence, utt: Utterance) -> None:
+        if utt.finish_reason != "stop":
+            self.last_reason = utt.finish_reason
         await self.send_json({"type": "audio.done", "utterance_index": sentence.utterance_index,
                               "sentence_index": sentence.sentence_index,
                               "total_bytes": sentence.bytes, "error": False,
-                              "finish_reason": reason})  # fmt: skip
+                              "finish_reason": utt.finish_reason})  # fmt: skip
 
     def error_event(self, error: RequestError) -> dict:
         # vLLM-Omni's error is {"type", "message"}; the engine adds the status and code

@@ -4,6 +4,9 @@ fragmented and malformed frames, huge or countless start fields, error messages 
 echo megabytes, many upgrades at once. Each is bounded (memory, count), ends that client with a
 documented error event or close code, and leaves the worker (its pid) and a neighbour's
 utterance alone. Raw frames are written by hand where a client library would refuse to.
+The session core's limits hold for every dialect (ours, the hosted Qwen realtime, vLLM-Omni's;
+issue 50): the idle limit under the heartbeat, a 3 MB message (peak memory), the backlog, close
+reasons, upgrades reset at once.
 Real sockets on 127.0.0.1; no check depends on the machine's speed."""
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import os
+import socket
+import struct
 import zlib
 
 import aiohttp
@@ -21,12 +27,14 @@ import pytest
 
 from qwen3_tts_engine.protocol import MAX_ERROR_CHARS, SPEECH_STREAM_PATH, SPEECH_STREAM_SUBPROTOCOL
 from tests.support.speech_socket import (
+    DIALECTS,
     HANG_GUARD,
     client_session,
     connect,
     engine_server,
     receive,
     speak,
+    until_error,
 )
 
 pytestmark = pytest.mark.slow
@@ -244,3 +252,148 @@ async def test_many_upgrades_at_once_are_capped(server, session, monkeypatch, bo
     assert len(opened) == 20 and sorted(set(a for a in answers if isinstance(a, int))) == [429]
     for ws in opened:
         await ws.close()
+
+
+# -- every dialect (ours, the hosted Qwen realtime, vLLM-Omni's): the core's limits hold for each --
+
+ALL = pytest.mark.parametrize("dialect", DIALECTS.values(), ids=list(DIALECTS))
+PEAK_BOUND = 150 << 20  # peak growth of the server process under one 3 MB message
+
+
+def _reset_peak() -> int:
+    """Reset the process's peak RSS (Linux: clear_refs 5); its RSS now."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return psutil.Process().memory_info().rss
+
+
+def _peak() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("VmHWM:"))
+
+
+async def _load(session) -> dict:
+    return await (await session.get("/load")).json()
+
+
+async def _until_gone(session) -> None:
+    async with asyncio.timeout(HANG_GUARD):
+        while (load := await _load(session))["sessions"] or load["running"] or load["waiting"]:
+            await asyncio.sleep(0.05)
+
+
+@ALL
+async def test_a_silent_stream_with_open_text_ends_at_the_idle_limit_despite_the_heartbeat(
+    server, session, monkeypatch, dialect
+):
+    """The heartbeat on and shorter than the idle limit (its pongs are no messages): the client
+    answers every ping and says nothing else; the idle limit ends it with a 408 and /load shows
+    it gone."""
+    monkeypatch.setattr(server.config, "ws_heartbeat_s", 0.3)
+    monkeypatch.setattr(server.config, "ws_idle_timeout_s", 1.5)
+    async with dialect.connect(session, API_KEY, autoping=False) as ws:
+        await dialect.open_text(ws, "Hello there, and then")
+        error, pings = None, 0
+        while (m := await asyncio.wait_for(ws.receive(), HANG_GUARD)).type not in (
+            aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSING):  # fmt: skip
+            if m.type == aiohttp.WSMsgType.PING:
+                pings += 1
+                await ws.pong(m.data)
+            elif m.type == aiohttp.WSMsgType.TEXT and json.loads(m.data)["type"] == "error":
+                error = json.loads(m.data)
+    assert error is not None and dialect.status(error) == 408, error
+    assert "ws_idle_timeout_s" in json.dumps(error) and m.data == 1008 and pings >= 2, (m, pings)
+    await _until_gone(session)
+
+
+async def _post(session) -> int:
+    body = {"input": "Hello.", "voice": "ryan", "response_format": "pcm"}
+    async with session.post("/v1/audio/speech", json=body,
+                            headers={"Authorization": f"Bearer {API_KEY}"}) as r:  # fmt: skip
+        await r.read()
+        return r.status
+
+
+@ALL
+async def test_a_3mb_message_of_short_sentences_is_refused_at_once_with_a_post_beside_it(
+    server, session, dialect, bounded
+):
+    """One message holds no more text than an utterance (POST's 400 for a long input): nothing
+    is cut or queued; the peak growth of the server stays small; a POST beside it is served."""
+    text = "Hi. " * ((3 << 20) // 4)
+    base = _reset_peak()
+    async with dialect.connect(session, API_KEY) as ws:
+        for message in dialect.start:
+            await ws.send_json(message)
+        posted = asyncio.create_task(_post(session))
+        await ws.send_str(json.dumps(dialect.append(text)))
+        error, closed = await until_error(ws)
+        assert await posted == 200
+    assert dialect.status(error) == 400 and "longer than" in json.dumps(error), error
+    assert closed.data == 1008
+    assert _peak() - base < PEAK_BOUND, (_peak() - base) >> 20
+
+
+@pytest.mark.parametrize("dialect", [DIALECTS["qwen_realtime"], DIALECTS["vllm_omni"]],
+                         ids=["qwen_realtime", "vllm_omni"])  # fmt: skip
+async def test_a_message_of_short_sentences_queues_a_bounded_backlog(server, session, dialect):
+    """Where sentences wait their turn (the hosted server_commit, vLLM-Omni's sentence split), a
+    message of a thousand sentences queues at most ws_max_pending of them: the rest joins the
+    last one, bounded by max_input_chars. Closing the socket drops them all."""
+    limit = server.config.limits.max_input_chars
+    async with dialect.connect(session, API_KEY) as ws:
+        for message in dialect.start:
+            await ws.send_json({**message, "split_granularity": "sentence"}
+                               if message["type"] == "session.config" else message)  # fmt: skip
+        await ws.send_str(json.dumps(dialect.append("Hi. " * (limit // 4))))
+        async with asyncio.timeout(HANG_GUARD):  # the message was read: its backlog exists
+            while not [s for s in server.sockets.sessions
+                       if getattr(s, "backlog", None) is not None and s.backlog.waiting]:  # fmt: skip
+                await asyncio.sleep(0.02)
+        [sock] = [s for s in server.sockets.sessions if getattr(s, "backlog", None) is not None]
+        texts = [i.text for i in sock.backlog.items if hasattr(i, "text")]
+        assert len(texts) == sock.backlog.waiting <= server.config.ws_max_pending
+        assert texts[-1] is sock.backlog.open.text and texts[-1].chars > 100 * 4  # joined
+        assert sum(t.chars for t in texts) <= limit
+    await _until_gone(session)
+
+
+@ALL
+async def test_a_close_reason_is_valid_utf8_within_the_frame_for_any_error(
+    server, session, dialect
+):
+    """An error with non-ASCII text closes with 1008 and a reason of at most 123 bytes of valid
+    UTF-8 (a reason cut inside a character made the client see 1002)."""
+    async with dialect.connect(session, API_KEY) as ws:
+        for message in dialect.start:
+            await ws.send_json(message)
+        await ws.send_json({"type": "ü日" * 300})
+        error, closed = await until_error(ws)
+    assert dialect.status(error) == 400
+    assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == 1008, closed
+    assert 0 < len(closed.extra.encode()) <= 123 and "日" in closed.extra
+
+
+async def _reset_upgrade(server, dialect) -> None:
+    """An upgrade request, then a reset (SO_LINGER 0) before its answer is read."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    key = base64.b64encode(os.urandom(16)).decode()
+    protocol = f"Sec-WebSocket-Protocol: {dialect.protocols[0]}\r\n" if dialect.protocols else ""
+    writer.write((f"GET {dialect.path} HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+                  f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                  f"{protocol}Authorization: Bearer {API_KEY}\r\n\r\n").encode())  # fmt: skip
+    await writer.drain()
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+@ALL
+async def test_upgrades_reset_at_once_leave_no_traceback(server, session, dialect, caplog):
+    caplog.set_level(logging.INFO)
+    await asyncio.gather(*(_reset_upgrade(server, dialect) for _ in range(300)))
+    await _until_gone(session)
+    events = await speak(session, API_KEY, START, ["Hello there."])  # still serving
+    assert events[-1]["type"] == "response.done"
+    tracebacks = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not tracebacks, [r.getMessage() for r in tracebacks[:3]]
