@@ -109,7 +109,7 @@ def engine_config(args: argparse.Namespace):
         max_batch=args.max_batch, max_queue=args.max_queue,
         compute_dtype=compute_dtype_option(args.compute_dtype), server=server, governor=governor,
         frame_budget_s=args.frame_budget_ms, step_delay_s=args.fault_step_delay_ms / 1000,
-        stream_memory=args.stream_memory_mb,
+        stream_memory=args.stream_memory_mb, loop_detector=not args.no_loop_detector,
     )  # fmt: skip
 
 
@@ -536,10 +536,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument(
         "--eos",
-        choices=["text", "never", "random"],
+        choices=["text", "never", "random", "loop"],
         default="text",
         help="how utterances end: by EOS after about one frame per text token (text), "
-        "only at --max-new-tokens (never), or when sampling picks EOS (random); "
+        "only at --max-new-tokens (never), when sampling picks EOS (random), or never with a "
+        "two-code cycle (loop: the loop detector's test model); "
         "in-context cloning (ref_audio + ref_text) ends at once with text",
     )
     t.set_defaults(fn=cmd_tiny_checkpoint)
@@ -625,6 +626,13 @@ def build_parser() -> argparse.ArgumentParser:
         "cache for its frame budget, vocoder state and transients: models/stream_memory.py) "
         "fits this many MB; the rest queue. auto (default): what the governor's downgrade "
         "watermark of the memory limit leaves the worker once loaded; off: no memory rule",
+    )
+    s.add_argument(
+        "--no-loop-detector",
+        action="store_true",
+        help="let a looping sentence run to its frame cap (finish reason length) instead of "
+        "ending it as repetition once its codebook-0 codes cycle or stall for 48 frames "
+        "(docs/engine-api.md, Loop detector)",
     )
     s.add_argument(
         "--fault-step-delay-ms",

@@ -55,6 +55,7 @@ class EngineConfig:
     # streams); default $QWEN3_TTS_FRAME_BUDGET_MS or 80 ms (dispatch/capacity.py)
     frame_budget_s: float | None = field(default_factory=default_frame_budget)
     step_delay_s: float = 0.0  # fault injection: sleep per stream per batch step
+    loop_detector: bool = True  # end looping sentences as "repetition" (worker/loop_detector.py)
     # The memory a worker's streams may hold, for admission (dispatch/capacity.py): bytes; None:
     # no memory rule; "auto": with a governor, the worker may use its policy's `downgrade_at` x
     # its memory limit less the server process and the spare worker (`worker_budget`), so that
@@ -79,7 +80,7 @@ class EngineConfig:
         return Handler(self.model, variant, warmup=self.warmup, max_queue=self.max_queue,
                        max_batch=self.max_batch, compute_dtype=self.compute_dtype,
                        frame_budget_s=self.frame_budget_s, step_delay_s=self.step_delay_s,
-                       stream_memory_bytes=streams, worker_memory_bytes=worker_memory_bytes)  # fmt: skip
+                       loop_detector=self.loop_detector, stream_memory_bytes=streams, worker_memory_bytes=worker_memory_bytes)  # fmt: skip
 
 
 def worker_budget(limit_bytes: int, policy: Policy, spare_worker: bool) -> int:

@@ -31,6 +31,8 @@ class WorkerSpec:
     # fault injection (tests, drills): every batch step sleeps this long per stream in it, as a
     # slower host would take (dispatch/capacity.py then finds fewer streams in real time)
     step_delay_s: float = 0.0
+    # the loop detector (worker/loop_detector.py, its default rules) ends looping sentences
+    loop_detector: bool = True
 
 
 # -- server -> worker ------------------------------------------------------------------------

@@ -92,6 +92,7 @@ class Handler:
         compute_dtype: str | None = None,
         frame_budget_s: float | None | str = "default",
         step_delay_s: float = 0.0,
+        loop_detector: bool = True,
         probe_every_s: float | None = PROBE_EVERY_S,
         stream_memory_bytes: int | None = None,
         worker_memory_bytes: int | None = None,
@@ -113,6 +114,9 @@ class Handler:
             default_frame_budget() if frame_budget_s == "default" else frame_budget_s
         )
         self.step_delay_s = step_delay_s  # fault injection (messages.WorkerSpec; set_step_delay)
+        self.loop_detector = (
+            loop_detector  # the worker ends looping sentences (messages.WorkerSpec)
+        )
         self.probe_every_s = probe_every_s  # while requests wait, one over the slots this often
         # The memory rule (`memory_budget`): the bytes its streams may hold, or the bytes the
         # whole worker may (its streams get what its RSS when ready leaves); None: no rule.
@@ -158,7 +162,7 @@ class Handler:
                        restart=self.restart, load_timeout=self.load_timeout,
                        max_batch=self.max_batch, compute_dtype=self.compute_dtype,
                        frame_budget_s=self.frame_budget_s, step_delay_s=self.step_delay_s,
-                       probe_every_s=self.probe_every_s,
+                       loop_detector=self.loop_detector, probe_every_s=self.probe_every_s,
                        stream_memory_bytes=self.stream_memory_bytes,
                        worker_memory_bytes=self.worker_memory_bytes)  # fmt: skip
         new.steps = self.steps.copy()
@@ -258,7 +262,8 @@ class Handler:
         self._ready.clear()
         spec = msg.WorkerSpec(model=self.model, variant=self.requested_variant,
                               warmup=self.warmup, nice=self.nice, max_batch=self.max_batch,
-                              compute_dtype=self.compute_dtype, step_delay_s=self.step_delay_s)  # fmt: skip
+                              compute_dtype=self.compute_dtype, step_delay_s=self.step_delay_s,
+                              loop_detector=self.loop_detector)  # fmt: skip
         # from before the spawn: a forked worker starts loading before spawn_worker returns here
         # (its load_s, on its own clock, could otherwise exceed start_s on a busy machine)
         t0 = time.perf_counter()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from qwen3_tts_engine.protocol import LOAD_STATES, LoadReport
+from qwen3_tts_engine.protocol import FINISH_REASONS, LOAD_STATES, LoadReport
 
 
 class Metrics:
@@ -38,6 +38,11 @@ class Metrics:
             "close)", ["protocol"], buckets=(0, 1, 2, 4, 8, 16, 32, 64, 128), registry=r)  # fmt: skip
         self.capped = Counter("qwen3_tts_utterances_capped_total", "Utterances that ran to their "
                               "frame cap (no end-of-speech)", ["variant"], registry=r)  # fmt: skip
+        # every utterance once, on every door, by why it ended (speech_service.observe_finish)
+        self.finished = Counter("qwen3_tts_utterances_finished_total", "Utterances by why they "
+                                "ended (protocol.FINISH_REASONS)", ["reason"], registry=r)  # fmt: skip
+        for reason in FINISH_REASONS:  # each reason's series exists from the start (rate() of 0)
+            self.finished.labels(reason)
         self.active_variant = Gauge("qwen3_tts_active_variant", "1 for the variant serving by default",
                                     ["variant"], registry=r)  # fmt: skip
         self.worker_memory = Gauge("qwen3_tts_worker_memory_bytes", "Handler worker memory",

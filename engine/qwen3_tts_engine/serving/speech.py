@@ -1,7 +1,10 @@
 """`POST /v1/audio/speech`: OpenAI's speech request (plus vLLM-Omni's Qwen3-TTS fields), audio
 streamed as it is made: raw PCM chunks (or another format) in one chunked HTTP response, or
 OpenAI's `speech.audio.delta` server-sent events. The route parses and delegates to the engine
-(`dispatch/engine.py`); errors are `errors.py`'s OpenAI-style bodies.
+(`dispatch/engine.py`); errors are `errors.py`'s OpenAI-style bodies. Why the utterance ended
+(`protocol.FINISH_REASONS`) is in `X-Finish-Reason` on a whole response (and on a 5xx answer:
+"error") and in the SSE `speech.audio.done` event; a raw streamed response has sent its headers
+before the end is known and carries none (docs/engine-api.md, "Finish reasons").
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from qwen3_tts_engine.log import logger
 from qwen3_tts_engine.protocol import (
     CONTENT_TYPES,
     HEADER_CAPPED,
+    HEADER_FINISH_REASON,
     HEADER_MODEL,
     HEADER_REQUEST_ID,
     HEADER_SAMPLE_RATE,
@@ -74,7 +78,12 @@ class SpeechRoutes:
                 logger.info("%s rejected (%d): %s", rid, e.status, e.message)
                 span.set_attribute("http.response.status_code", e.status)
                 span.set_status(StatusCode.ERROR, e.message)
-                return error_response(e, retry_after_s=self.config.retry_after_s)
+                response = error_response(e, retry_after_s=self.config.retry_after_s)
+                if e.status >= 500:  # the engine failed it (a 4xx refused it: no utterance ran)
+                    response.headers[HEADER_FINISH_REASON] = self.service.observe_finish(
+                        "error", rid
+                    )
+                return response
             self.metrics.requests.labels(str(response.status)).inc()
             span.set_attribute("http.response.status_code", response.status)
             return response
@@ -127,23 +136,28 @@ class SpeechRoutes:
                     # Audio already went out: abort the connection so the client sees an error.
                     logger.error("%s failed after %d chunks: %s", rid, n, e)
                     self.metrics.requests.labels("aborted").inc()
+                    self.service.observe_finish("error", rid)
                     if request.transport is not None:
                         request.transport.close()
                     return response
                 except (ConnectionResetError, asyncio.CancelledError):
                     logger.info("%s: client went away after %d chunks; synthesis cancelled", rid, n)
+                    self.service.observe_abort(rid)
                     raise
+            # the synthesis is over: counted once, by its reason, before its end goes out
+            reason = self.service.observe_done(result, rid, t0, n)
             if n == 0:
                 response.headers[HEADER_VARIANT] = self.service.served_by(result)
+                response.headers[HEADER_FINISH_REASON] = reason  # no audio: headers still unsent
                 await response.prepare(request)
             await send(encoder.finish())
         finally:
             encoder.close()
         if sse:
-            await response.write(sse_event({"type": "speech.audio.done", "capped": capped(result),
+            await response.write(sse_event({"type": "speech.audio.done", "finish_reason": reason,
+                                            "capped": capped(result),
                                             "usage": speech_usage(req, result)}))  # fmt: skip
         await response.write_eof()
-        self.service.observe_done(result, rid, t0, n)
         return response
 
     async def _whole(self, chunks, req: SpeechRequest, result: Result, headers, rid, t0):
@@ -155,10 +169,13 @@ class SpeechRoutes:
                     self.service.observe_chunk(chunk, result)
         except MAPPED as e:
             raise as_request_error(e) from None
+        except (ConnectionResetError, asyncio.CancelledError):  # the client went away
+            self.service.observe_abort(rid)
+            raise
         body = encode_whole(b"".join(parts), req.response_format, req.sample_rate)
         headers = {**headers, HEADER_VARIANT: self.service.served_by(result),
                    "Content-Type": CONTENT_TYPES[req.response_format]}  # fmt: skip
         if capped(result):  # a streamed response's headers went out first: its SSE done event
             headers[HEADER_CAPPED] = "true"
-        self.service.observe_done(result, rid, t0, len(parts))
+        headers[HEADER_FINISH_REASON] = self.service.observe_done(result, rid, t0, len(parts))
         return web.Response(body=body, headers=headers)

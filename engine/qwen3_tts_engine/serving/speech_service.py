@@ -4,7 +4,8 @@
 fields, the server's voice aliases and defaults, the model's own checks, the reference audio);
 `stream` runs it (audio at the request's `sample_rate`: resampled here, in the server process,
 by one `audio.Resampler` per request); `observe_chunk` / `observe_done` are its metrics, log
-line and trace spans.
+line and trace spans, and `observe_finish` (which `observe_done` calls) counts every utterance
+once by why it ended, on every door.
 The routes (`speech.py`, `speech_stream.py`) are adapters from HTTP or a socket to this, built
 from the service, not from the whole server.
 """
@@ -127,17 +128,40 @@ class SpeechService:
             self.metrics.queue_wait.labels(variant).observe(result.queue_wait_s)
         self.metrics.chunk_compute.labels(variant).observe(chunk.compute_s)
 
-    def observe_done(self, result: Result, rid: str, t0: float, n: int) -> None:
+    def observe_finish(self, reason: str, rid: str = "", span: trace.Span | None = None) -> str:
+        """Count an utterance that ended, once, by `reason` (`protocol.FINISH_REASONS`): in
+        `qwen3_tts_utterances_finished_total{reason}` and as `qwen3_tts.finish_reason` on `span`
+        (default: the current span). `observe_done` calls it for one that ran to its end; a door
+        calls it itself with "abort" (cancelled, client gone) or "error" (its synthesis failed).
+        Returns `reason`."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"not a finish reason: {reason!r}")
+        self.metrics.finished.labels(reason).inc()
+        if reason == "repetition":
+            logger.warning("%s: the loop detector ended it (its codes repeated)", rid)
+        span = span if span is not None else trace.get_current_span()
+        if span.is_recording():
+            span.set_attribute("qwen3_tts.finish_reason", reason)
+        return reason
+
+    def observe_abort(self, rid: str = "", span: trace.Span | None = None) -> str:
+        """`observe_finish("abort")`: an utterance cancelled, or whose client went away."""
+        return self.observe_finish("abort", rid, span)
+
+    def observe_done(self, result: Result, rid: str, t0: float, n: int) -> str:
+        """An utterance that ran to its end (its stream finished): its metrics, log line and
+        spans, and its finish reason counted (`observe_finish`); returns that reason."""
+        reason = self.observe_finish(finish_reason(result), rid)
         total = time.perf_counter() - t0
-        logger.info("%s done: variant %s, %d chunks, first audio %.3fs, total %.3fs", rid,
-                    result.variant, n, result.first_audio_s or -1, total)  # fmt: skip
+        logger.info("%s done (%s): variant %s, %d chunks, first audio %.3fs, total %.3fs", rid,
+                    reason, result.variant, n, result.first_audio_s or -1, total)  # fmt: skip
         if capped(result):
             self.metrics.capped.labels(str(result.variant)).inc()
             logger.warning("%s ran to its frame cap (%d frames): no end-of-speech", rid,
                            int((result.stats or {}).get("frames", 0)))  # fmt: skip
         span = trace.get_current_span()
         if not span.is_recording():
-            return
+            return reason
         stats = result.stats or {}
         span.set_attributes({"qwen3_tts.variant": str(result.variant), "qwen3_tts.chunks": n,
                              "qwen3_tts.frames": int(stats.get("frames", 0)),
@@ -154,3 +178,4 @@ class SpeechService:
         tracer.start_span("qwen3_tts.synthesis", start_time=queued, attributes=attrs).end(
             end_time=end
         )
+        return reason

@@ -509,7 +509,7 @@ def _check_round_trip(sanitized: dict, expected: dict, what: str, skip=()) -> No
 
 # ----------------------------------------------------------------------------- end of speech
 
-EOS_MODES = ("never", "random", "text")
+EOS_MODES = ("never", "random", "text", "loop")
 # Residual-stream dimensions that the "text" mode reserves (the last three of 64).
 _MARK, _COUNT, _SCORE = 61, 62, 63
 # Values chosen by measurement (the eos tests in tests/engine/worker/test_synthesis.py): about 1.3 frames
@@ -578,6 +578,59 @@ def _text_length_eos(weights: dict, config: dict) -> None:
         w[:, _SCORE] = 0.0
         w[talker["codec_eos_token_id"]] = 0.0
         w[talker["codec_eos_token_id"], _SCORE] = _BETA
+
+    edit("talker.codec_head.weight", codec_head)
+
+
+# Two codebook-0 codes the "loop" mode cycles between, and the residual dimensions it reserves.
+LOOP_CODES = (100, 200)
+_LOOP_AFTER_OTHER, _LOOP_AFTER_A = 61, 62
+_LOOP_MARK, _LOOP_BETA = 8.0, 64.0
+
+
+def _looping_talker(weights: dict, config: dict) -> None:
+    """Wire the talker into a two-code cycle that never ends (a stuck model, for the loop
+    detector's tests): EOS is never sampled, and each frame's codebook-0 code decides the next.
+
+    A generated frame's input embeds its codebook-0 code: code A writes dimension
+    _LOOP_AFTER_A, every other code < 2048 writes _LOOP_AFTER_OTHER; nothing else writes either
+    (the text projection, attention and MLP outputs are zeroed there), and the final norm passes
+    them. The codec head's row A reads _LOOP_AFTER_OTHER and row B reads _LOOP_AFTER_A, with a
+    weight that outvotes every random logit: whatever the first frame samples, the codes then run
+    A, B, A, B... for any seed and sampling setting (the first frame's input is a prefill
+    position, which writes neither)."""
+    talker = config["talker_config"]
+    a, b = LOOP_CODES
+    reserved = [_LOOP_AFTER_OTHER, _LOOP_AFTER_A]
+
+    def edit(name, fn):
+        arr = np.array(weights[name].astype(mx.float32))
+        fn(arr)
+        weights[name] = mx.array(arr).astype(weights[name].dtype)
+
+    def codec_embedding(w):
+        w[:, reserved] = 0.0
+        w[:2048, _LOOP_AFTER_OTHER] = _LOOP_MARK
+        w[a, _LOOP_AFTER_OTHER] = 0.0
+        w[a, _LOOP_AFTER_A] = _LOOP_MARK
+
+    edit("talker.model.codec_embedding.weight", codec_embedding)
+    for i in range(talker["num_code_groups"] - 1):
+        edit(f"talker.code_predictor.model.codec_embedding.{i}.weight",
+             lambda w: w.__setitem__((slice(None), reserved), 0.0))  # fmt: skip
+    for leaf in ("weight", "bias"):
+        edit(f"talker.text_projection.linear_fc2.{leaf}", lambda w: w.__setitem__(reserved, 0.0))
+    for layer in range(talker["num_hidden_layers"]):
+        base = f"talker.model.layers.{layer}"
+        edit(f"{base}.mlp.down_proj.weight", lambda w: w.__setitem__(reserved, 0.0))
+        edit(f"{base}.self_attn.o_proj.weight", lambda w: w.__setitem__(reserved, 0.0))
+    edit("talker.model.norm.weight", lambda w: w.__setitem__(reserved, 1.0))
+
+    def codec_head(w):
+        w[:, reserved] = 0.0
+        w[talker["codec_eos_token_id"]] = 0.0
+        w[a, _LOOP_AFTER_OTHER] = _LOOP_BETA
+        w[b, _LOOP_AFTER_A] = _LOOP_BETA
 
     edit("talker.codec_head.weight", codec_head)
 
@@ -681,7 +734,9 @@ def write_tiny_checkpoint(
     codec head, so a stream always runs to `max_tokens` frames; "random" (or True) keeps the
     random row (EOS whenever sampling picks it); "text" ends each utterance by EOS after about
     one frame per text token plus two, deterministically for a given text and seed, as real
-    models end theirs (see `_text_length_eos`). `talker_layers` sets the talker depth;
+    models end theirs (see `_text_length_eos`); "loop" never ends and its codebook-0 codes fall
+    into a two-code cycle at once (`_looping_talker`: the loop detector's test model).
+    `talker_layers` sets the talker depth;
     `tts_model_size` "1b7" makes CustomVoice honour `instruct` (mlx-audio drops it for "0b6").
     A large `talker_intermediate_size` makes the quantizable weights dominate a worker's memory
     (the memory-governor tests).
@@ -714,6 +769,8 @@ def write_tiny_checkpoint(
         weights["talker.codec_head.weight"] = mx.array(head).astype(mx.bfloat16)
     elif eos == "text":
         _text_length_eos(weights, config)
+    elif eos == "loop":
+        _looping_talker(weights, config)
     _check_round_trip(model.sanitize(dict(weights)), weights, "model.safetensors")
     model.load_weights(list(weights.items()), strict=True)
     mx.eval(model.parameters())
@@ -773,7 +830,7 @@ def main(argv: list[str] | None = None) -> None:
         "--variant", default="custom_voice", choices=("custom_voice", "voice_design", "base")
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eos", default="never", choices=("never", "random", "text"))
+    p.add_argument("--eos", default="never", choices=EOS_MODES)
     args = p.parse_args(argv)
     write_tiny_checkpoint(args.out, variant=args.variant, seed=args.seed, eos=args.eos)
 

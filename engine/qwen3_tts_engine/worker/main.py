@@ -28,6 +28,7 @@ from qwen3_tts_engine.models.variants import resolve
 from qwen3_tts_engine.priority import renice
 from qwen3_tts_engine.protocol import FRAME_RATE, RequestError, SpeechRequest
 from qwen3_tts_engine.worker.loading import describe, load, quantized_modules, release_freed_memory
+from qwen3_tts_engine.worker.loop_detector import DEFAULT_LOOP_RULES
 from qwen3_tts_engine.worker.measure import (
     kv_bytes_per_frame,
     model_bytes,
@@ -94,6 +95,9 @@ def _done_stats(stream, live: _Live) -> dict:
         "resumed_chunks": live.resumed,
         "text_mode": stats.text_mode,
         "text_tokens": stats.text_tokens, "text_waits": stats.text_waits,
+        # why it ended (protocol.FINISH_REASONS; serving/speech_service.finish_reason reads it)
+        "finish_reason": stats.finish_reason, "repetitions": stats.repetitions,
+        "loop": stats.loop,
     }  # fmt: skip
 
 
@@ -124,11 +128,14 @@ def batching_stats(scheduler, active: int) -> dict:
 class _Server:
     """The worker's loop: requests join the scheduler between steps; chunks go out as made."""
 
-    def __init__(self, model, conn: Connection, max_batch: int, step_delay_s: float = 0.0) -> None:
+    def __init__(self, model, conn: Connection, max_batch: int, step_delay_s: float = 0.0,
+                 loop_detector: bool = True) -> None:  # fmt: skip
         self.model = model
         self.conn = conn
         self.step_delay_s = step_delay_s
-        self.scheduler = Scheduler(model, max_batch=max_batch, step_delay_s=step_delay_s)
+        self.loop_rules = DEFAULT_LOOP_RULES if loop_detector else None
+        self.scheduler = Scheduler(model, max_batch=max_batch, step_delay_s=step_delay_s,
+                                   loop_rules=self.loop_rules)  # fmt: skip
         self.live: dict[str, _Live] = {}
         self.stop_requested = False
         self.last_report = 0.0
@@ -239,7 +246,8 @@ class _Server:
                 traceback.print_exc()
                 self._fail_all(f"{type(e).__name__}: {e}")
                 self.scheduler = Scheduler(self.model, max_batch=self.scheduler.max_batch,
-                                           step_delay_s=self.step_delay_s)  # fmt: skip
+                                           step_delay_s=self.step_delay_s,
+                                           loop_rules=self.loop_rules)  # fmt: skip
                 continue
             self._send_events(events)
             # A worker about to block (nothing runnable: idle, or every stream waiting for text
@@ -316,6 +324,6 @@ def worker_main(conn: Connection, spec: msg.WorkerSpec | None) -> None:
         conn.send(msg.LoadFailed(f"{type(e).__name__}: {e}"))
         return
     try:
-        _Server(model, conn, spec.max_batch, spec.step_delay_s).run()
+        _Server(model, conn, spec.max_batch, spec.step_delay_s, spec.loop_detector).run()
     except (BrokenPipeError, EOFError, ConnectionResetError):
         return  # the parent went away

@@ -44,6 +44,7 @@ from qwen3_tts_engine.sentences import split_input
 from qwen3_tts_engine.worker.blas_threads import blas_threads, threads_for
 from qwen3_tts_engine.worker.incremental_text import IncrementalText
 from qwen3_tts_engine.worker.loading import describe
+from qwen3_tts_engine.worker.loop_detector import DEFAULT_LOOP_RULES, LoopRules, loop_kind
 from qwen3_tts_engine.worker.sampling import (
     BatchSampler,
     SamplingParams,
@@ -73,6 +74,19 @@ class SynthesisStats:
     text_mode: str = "prompt"
     text_tokens: int = 0  # text tokens fed (dual-track)
     text_waits: int = 0  # times the stream left the batch to wait for streamed text
+    repetitions: int = 0  # sentences the loop detector ended
+    loop: str | None = None  # the loop detector's last rule that fired ("cycle", "stall")
+
+    @property
+    def finish_reason(self) -> str:
+        """Why the stream ended (`protocol.FINISH_REASONS`): of several sentences, the worst
+        ending of any: "repetition" (the loop detector) over "length" (a frame cap) over "stop"
+        (end-of-speech); "abort" when it was cancelled. (A failed stream sends no stats.)"""
+        if self.cancelled:
+            return "abort"
+        if self.repetitions:
+            return "repetition"
+        return "length" if self.hit_token_cap else "stop"
 
 
 @dataclass
@@ -145,13 +159,15 @@ def _new_key(seed: int | None) -> mx.array:
 class Scheduler:
     """Streams of one model, advanced together one frame per `step()`."""
 
-    def __init__(self, model, *, max_batch: int = 8, step_delay_s: float = 0.0) -> None:
+    def __init__(self, model, *, max_batch: int = 8, step_delay_s: float = 0.0,
+                 loop_rules: LoopRules | None = DEFAULT_LOOP_RULES) -> None:  # fmt: skip
         if model.speech_tokenizer is None or model.tokenizer is None:
             raise RuntimeError("the checkpoint's tokenizer or speech tokenizer failed to load")
         self.model = model
         self.info = ModelInfo.from_info(describe(model))
         self.max_batch = max_batch
         self.step_delay_s = step_delay_s  # fault injection: sleep per stream per step (messages.py)
+        self.loop_rules = loop_rules  # None: no loop detector (sentences end by EOS or their cap)
         self.talker = model.talker
         config = model.config.talker_config
         self.eos = config.codec_eos_token_id
@@ -312,6 +328,9 @@ class Scheduler:
                 s.pending.append(codes[i])
                 s.step += 1
                 s.stats.frames += 1
+                if self._looping(s):
+                    leaving.append(i)
+                    continue
                 if s.step >= s.max_frames:
                     s.stats.hit_token_cap = True
                     leaving.append(i)
@@ -417,6 +436,18 @@ class Scheduler:
         if not s.feed.ended:
             return self.limits_frames  # open text: its length is not known yet
         return default_max_new_tokens(s.feed_chars, s.req.instructions)
+
+    def _looping(self, s: Stream) -> bool:
+        """Whether the loop detector ends the stream's sentence at this frame (it leaves as at
+        its cap, and its next sentence, if any, starts)."""
+        if self.loop_rules is None:
+            return False
+        kind = loop_kind(s.history, self.loop_rules, text_fed=s.text.eos_fed)
+        if kind is None:
+            return False
+        s.stats.repetitions += 1
+        s.stats.loop = kind
+        return True
 
     def _prompt(self, s: Stream) -> None:
         """The prompt of the stream's sentence (prefilled at the step it joins)."""

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from qwen3_tts_engine.protocol import SpeechRequest
+from qwen3_tts_engine.worker.loop_detector import DEFAULT_LOOP_RULES, LoopRules
 from qwen3_tts_engine.worker.scheduler import Chunk, Scheduler, SynthesisStats
 from qwen3_tts_engine.worker.vocoder import windowed_decode
 
@@ -29,6 +30,7 @@ def stream_chunks(
     keep_codes: bool = False,
     decode: bool = True,
     stats: SynthesisStats | None = None,
+    loop_rules: LoopRules | None = DEFAULT_LOOP_RULES,
 ) -> Iterator[Chunk]:
     """Synthesize `req.input`, yielding chunks of 4 frames (the first may be 1 or 2 frames).
 
@@ -36,9 +38,10 @@ def stream_chunks(
     request gives on a server next to others. Sentences are generated one after another into
     one vocoder stream, so chunks keep their size across sentence boundaries and only the very
     last chunk may be shorter. With `decode=False` only codes are made (empty audio): for
-    evaluations that compare codes. `should_stop()` is asked before every frame.
+    evaluations that compare codes. `should_stop()` is asked before every frame. `loop_rules`
+    None switches the loop detector off (`loop_detector.py`).
     """
-    scheduler = Scheduler(model, max_batch=1)
+    scheduler = Scheduler(model, max_batch=1, loop_rules=loop_rules)
     scheduler.add(
         "solo", req, ref_audio=ref_audio, keep_codes=keep_codes, decode=decode, stats=stats
     )
