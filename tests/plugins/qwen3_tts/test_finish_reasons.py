@@ -75,3 +75,18 @@ async def test_synthesize_reports_its_ending(engine):
     finally:
         await tts.aclose()
     assert [e.reason for e in endings] == ["length"]
+
+
+@pytest.mark.parametrize("text_input", ["stream", "vllm-omni"])
+async def test_a_looping_utterance_ends_as_repetition(tiny_checkpoint, text_input, caplog):
+    """The tiny checkpoint made to loop (its codes cycle, it never ends by itself): the engine's
+    loop detector ends the utterance as "repetition", which the plugin warns of and counts."""
+    from tests.support.speech_socket import engine_server
+
+    model = str(tiny_checkpoint("custom_voice", eos="loop"))
+    async with engine_server(model, 1) as server:
+        tts = _tts(f"http://127.0.0.1:{server.port}", text_input, max_new_tokens=None)
+        with caplog.at_level(logging.WARNING, logger="livekit.plugins.qwen3_tts"):
+            endings = await _endings(tts, "Hello there.")
+    assert [e.reason for e in endings] == ["repetition"]
+    assert sum("finish_reason=repetition" in r.getMessage() for r in caplog.records) == 1

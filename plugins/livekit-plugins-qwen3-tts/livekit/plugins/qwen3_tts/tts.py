@@ -629,13 +629,14 @@ class SynthesizeStream(tts.SynthesizeStream):
         self._tts._finished(report)
         if not report.ended_early:
             return
-        # Only a frame cap ends an utterance before its text: under `max_new_tokens` that is a
-        # sentence's (the rest of the segment is the next sentences'); without it, the engine's
-        # own limit, and the words it did not get are not dropped silently.
+        # Only a frame cap (or the engine's loop detector) ends an utterance before its text:
+        # under `max_new_tokens` that is a sentence's (the rest of the segment is the next
+        # sentences'); without it, the engine's own limit, and the words it did not get are not
+        # dropped silently.
         if self._opts.max_new_tokens is None:
             raise APIError(f"Qwen3-TTS ended a streamed utterance after {report.samples} samples "
-                           f"before its text was all in (its frame limit); {len(report.text)} "
-                           "characters were sent", retryable=False)  # fmt: skip
+                           f"before its text was all in (finish_reason={report.finish_reason}); "
+                           f"{len(report.text)} characters were sent", retryable=False)  # fmt: skip
         logger.info("TTS sentence capped at max_new_tokens=%d frames before its text was all in "
                     "(%d characters sent)", self._opts.max_new_tokens, len(report.text))  # fmt: skip
 
