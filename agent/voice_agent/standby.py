@@ -198,6 +198,7 @@ class StandbyStream(tts.SynthesizeStream):
         super().__init__(tts=tts, conn_options=conn_options)
         self._standby = tts
         self.said: list[str] = []  # the phrases this reply said ("hold", "apology")
+        self._text_began: float | None = None  # when the reply's first words came (monotonic)
 
     async def _metrics_monitor_task(self, event_aiter) -> None:
         async for _ in event_aiter:  # the wrapped TTS emits the metrics (forwarded)
@@ -240,7 +241,7 @@ class StandbyStream(tts.SynthesizeStream):
 
         async def hold_due() -> None:
             await text_began.wait()
-            t0 = time.monotonic()
+            t0 = self._text_began = time.monotonic()
             await refused.wait()  # a slow engine that has not failed is waited for, silently
             await asyncio.sleep(max(0.0, t0 + standby.hold_after - time.monotonic()))
 
@@ -300,7 +301,9 @@ class StandbyStream(tts.SynthesizeStream):
         emitter.push(pcm)
         self.said.append(name)
         STANDBY.labels(name, source).inc()
-        logger.info("TTS standby: said the %s phrase (%s)", name, source)
+        began = self._text_began
+        after = f", {time.monotonic() - began:.2f} s after the reply's text began" if began else ""
+        logger.info("TTS standby: said the %s phrase (%s)%s", name, source, after)
 
 
 _HOLD = object()
