@@ -157,6 +157,7 @@ async def test_both_engines_stopped_mid_call_the_caller_hears_the_phrase_then_th
     # each phrase said once (the scrape sums the counter's labels: phrase x source)
     assert scrape["voice_agent_tts_standby_total"] >= 2
     log_text = log.read_text(errors="replace")
+    print("\n".join(ln for ln in log_text.splitlines() if "TTS standby:" in ln and "{" not in ln))
     assert (
         "said the hold phrase (engine)" in log_text
         and "said the apology phrase (engine)" in log_text
