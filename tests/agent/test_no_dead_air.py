@@ -67,6 +67,7 @@ async def test_the_engines_cached_phrases_cover_a_reply_while_both_engines_are_d
     """The phrases are synthesized while an engine answers (as `prewarm()` does at a session's
     start); both engines stop; the next reply is the hold phrase, then the apology."""
     model = str(tiny_checkpoint("custom_voice", eos="text"))
+    stops = REGISTRY.get_sample_value("voice_agent_tts_finish_total", {"reason": "stop"})
     async with engine_server(model, 1) as a, engine_server(model, 1) as b:
         urls = f"http://127.0.0.1:{a.port},http://127.0.0.1:{b.port}"
         settings = Settings(tts_url=urls, llm_model="scripted", offline=True)
@@ -78,6 +79,10 @@ async def test_the_engines_cached_phrases_cover_a_reply_while_both_engines_are_d
     hold, source = speaker.phrases.get("hold")
     apology, _ = speaker.phrases.get("apology")
     assert source == "engine" and speaker.phrases.path("hold").exists()  # kept on disk too
+    # each phrase's ending was counted in /metrics by the plugin's finish_reason event
+    assert (
+        REGISTRY.get_sample_value("voice_agent_tts_finish_total", {"reason": "stop"}) == stops + 2
+    )
     before = _said("hold", "engine"), _said("apology", "engine")
     audio = await _reply_with_engines_down(settings)  # both stopped: nothing listens there now
     _starts_with(audio, hold, apology)

@@ -18,7 +18,6 @@ from typing import Any
 
 from .protocol import (
     EV_DONE,
-    EV_ERROR,
     EV_FIRST_AUDIO,
     EV_SESSION_CREATED,
     MSG_TEXT_APPEND,
@@ -120,7 +119,3 @@ class VllmOmni:
 
 
 DIALECTS = {d.name: d for d in (Ours(), VllmOmni())}
-
-
-def is_error(event: Mapping) -> bool:
-    return event.get("type") == EV_ERROR
