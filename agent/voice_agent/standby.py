@@ -250,6 +250,9 @@ class StandbyStream(tts.SynthesizeStream):
         try:
             async with inner:
                 first = await self._first(audio, hold)
+                # LiveKit's TTFB counts from when the wrapped stream sent text to the engine (as
+                # FallbackAdapter does): the frames this stream yields carry that time
+                self._started_time = self._started_time or inner._started_time
                 if first is _HOLD:
                     self._say("hold", output_emitter)
                     try:
