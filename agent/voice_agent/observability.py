@@ -41,7 +41,18 @@ APOLOGIES = Counter("voice_agent_apologies", "Replies that were the apology for 
 INTERRUPTIONS = Counter("voice_agent_interruptions", "Agent replies cut short by the user")
 ERRORS = Counter("voice_agent_errors", "Component errors (recoverable: LiveKit retries or falls "
                  "back; not: the turn failed)", ["component", "recoverable"])  # fmt: skip
+STANDBY = Counter("voice_agent_tts_standby", "Phrases said while no TTS engine could speak: "
+                  "'hold' (One moment, please.) and 'apology'; source: the engine's voice "
+                  "(cached) or the bundled clip", ["phrase", "source"])  # fmt: skip
+TTS_FINISHES = Counter("voice_agent_tts_finish", "TTS utterances by why the engine ended them "
+                       "(the plugin's finish_reason: stop, length, repetition, abort, error)",
+                       ["reason"])  # fmt: skip
 COMPONENTS = {"stt_error": "stt", "llm_error": "llm", "tts_error": "tts"}
+for _phrase in ("hold", "apology"):
+    for _source in ("engine", "bundled"):
+        STANDBY.labels(_phrase, _source)
+for _reason in ("stop", "length", "repetition", "abort", "error"):
+    TTS_FINISHES.labels(_reason)
 for _c in COMPONENTS.values():  # every series exists from the start (rate() needs a zero)
     for _r in ("true", "false"):
         ERRORS.labels(_c, _r)

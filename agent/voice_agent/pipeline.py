@@ -22,8 +22,10 @@ from livekit.agents import (
 from livekit.agents.voice.agent_session import SessionConnectOptions
 from livekit.plugins import faster_whisper, qwen3_tts, silero
 
-from voice_agent.observability import APOLOGIES
+from voice_agent.observability import APOLOGIES, TTS_FINISHES
+from voice_agent.services.registry import cache_dir
 from voice_agent.settings import Settings
+from voice_agent.standby import StandbyTTS
 from voice_agent.telephony import PHONE_SAMPLE_RATE
 from voice_agent.text_filters import TTS_TEXT_TRANSFORMS
 from voice_agent.turn_rules import RuleTurnDetector
@@ -102,6 +104,19 @@ def build_tts(settings: Settings, url: str, *, phone: bool = False):
     )  # fmt: skip
 
 
+def with_standby(settings: Settings, speaker: qwen3_tts.TTS):
+    """The TTS the session speaks through: `speaker` (each utterance's finish reason counted in
+    /metrics), wrapped so that no reply is dead air while no engine can speak (`standby.py`;
+    TTS_HOLD_AFTER=0: unwrapped)."""
+    speaker.on("finish_reason", lambda ending: TTS_FINISHES.labels(ending.reason).inc())
+    if not settings.tts_hold_after:
+        return speaker
+    key = "|".join(map(str, (settings.tts_model, settings.tts_variant, settings.tts_voice,
+                             settings.tts_language)))  # fmt: skip
+    return StandbyTTS(speaker, key=key, hold_after=settings.tts_hold_after,
+                      give_up_after=settings.tts_give_up_after, cache_dir=cache_dir())  # fmt: skip
+
+
 def build_vad(settings: Settings, *, phone: bool = False):
     """Silero VAD; `phone`: with the settings for phone callers (PHONE_VAD_*)."""
     if phone:
@@ -139,7 +154,7 @@ def build_session(settings: Settings, *, tts_url: str, llm_url: str, vad=None, s
         vad=vad or build_vad(settings),
         stt=stt or build_stt(settings),
         llm=build_llm(settings, llm_url),
-        tts=build_tts(settings, tts_url, phone=phone),
+        tts=with_standby(settings, build_tts(settings, tts_url, phone=phone)),
         turn_handling={
             "turn_detection": build_turn_detector(settings),
             "endpointing": {

@@ -361,6 +361,21 @@ class Settings(_EnvSettings):
         "up (a shared engine's queue counts)",
         check=_positive,
     )
+    tts_hold_after: float = _f(
+        "TTS_HOLD_AFTER",
+        1.0,
+        "seconds a reply may wait while every TTS engine is full or down before the agent says "
+        "'One moment, please.' (cached in its voice, or a bundled clip), keeps trying, then "
+        "apologises (0: off, the reply fails silently)",
+        check=_not_negative,
+    )
+    tts_give_up_after: float = _f(
+        "TTS_GIVE_UP_AFTER",
+        10.0,
+        "seconds after 'One moment, please.' the agent waits for an engine before it apologises "
+        "instead of the reply (it apologises sooner if the TTS's retries are spent)",
+        check=_positive,
+    )
     stt_timeout: float = _f(
         "STT_TIMEOUT",
         30.0,

@@ -29,6 +29,9 @@ SEGMENT_MARKER = 240  # LiveKit closes a TTS segment with at most a 10 ms frame 
 
 
 def _settings(engine, llm_url: str, **kw) -> Settings:
+    # no standby (TTS_HOLD_AFTER=0): its phrases, synthesized as a session starts, would join the
+    # engine history these tests read (the standby's own tests: test_no_dead_air.py)
+    kw = {"tts_hold_after": 0, **kw}
     return Settings(tts_url=f"http://127.0.0.1:{engine.port}", llm_base_url=llm_url, llm_model="scripted",
                     offline=True, tts_max_new_tokens=kw.pop("frames", None), **kw)  # fmt: skip
 

@@ -21,8 +21,10 @@ TOPIC = "lk.transcription"
 class Caller:
     """A participant that speaks into a microphone track and records what comes back."""
 
-    def __init__(self, identity: str) -> None:
+    def __init__(self, identity: str, *, keep_audio: bool = False) -> None:
         self.identity = identity
+        # `keep_audio`: every remote frame's samples too, (monotonic time, int16 at RATE)
+        self.audio: list[tuple[float, np.ndarray]] | None = [] if keep_audio else None
         self.room = rtc.Room()
         self.source = rtc.AudioSource(RATE, 1, queue_size_ms=100)
         self.mic_sid: str | None = None
@@ -76,6 +78,8 @@ class Caller:
             samples = np.frombuffer(bytes(ev.frame.data), np.int16)
             peak = int(np.abs(samples.astype(np.int32)).max()) if samples.size else 0
             self.frames.append((time.monotonic(), peak, identity))
+            if self.audio is not None:
+                self.audio.append((self.frames[-1][0], samples))
 
     def _on_text(self, reader: rtc.TextStreamReader, sender: str) -> None:
         async def read() -> None:

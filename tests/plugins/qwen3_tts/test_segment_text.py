@@ -138,10 +138,12 @@ async def test_text_input_is_checked_like_the_other_options():
         assert tts._opts.text_input == "stream"  # a refused change changes nothing
     finally:
         await tts.aclose()
-    with pytest.raises(ValueError, match="vLLM-Omni"):
-        qwen3_tts.TTS(base_url="http://127.0.0.1:9", protocol="vllm-omni", text_input="stream")
+    # vLLM-Omni streams too (its socket dialect): "auto" tries its upgrade (a 404: sentences)
+    omni = qwen3_tts.TTS(base_url="http://127.0.0.1:9", protocol="vllm-omni", text_input="stream")
+    assert omni._opts.streams_text() is True
+    await omni.aclose()
     omni = qwen3_tts.TTS(base_url="http://127.0.0.1:9", protocol="vllm-omni")
-    assert omni._opts.streams_text() is False  # auto never asks vLLM-Omni
+    assert omni._opts.streams_text() is None
     await omni.aclose()
 
 

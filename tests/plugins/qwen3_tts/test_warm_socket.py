@@ -121,6 +121,30 @@ async def test_a_socket_the_engine_closed_while_idle_is_replaced(tiny_checkpoint
         _same_audio(audio, await _post_dual(url, REPLIES[1], 7, 2))
 
 
+async def test_an_idle_socket_is_retired_by_the_plugin_before_the_engine_would(tiny_checkpoint):
+    """The plugin's idle bound (`socket_max_idle`) below the engine's keepalive: the parked
+    socket's own reader closes it (the plugin's `retired` event, its close reason; the engine had
+    sent no close, or the reader would have returned on it), it leaves the pool at once, and the
+    next reply opens a fresh socket and is whole."""
+    model = str(tiny_checkpoint("custom_voice", eos="text"))
+    async with engine_server(model, 1, ws_keepalive_timeout_s=HANG_GUARD * 10) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        tts = _tts([url], first_chunk_frames=2, socket_max_idle=0.5)
+        try:
+            await asyncio.wait_for(_speak(tts, _tokens(REPLIES[0])), HANG_GUARD)
+            [sock] = tts.sockets.parked(url)
+            await asyncio.wait_for(sock.wait_closed(), HANG_GUARD)  # the plugin's idle bound
+            assert sock.retired and tts.sockets.retired == 1 and not sock.alive
+            assert tts.sockets.parked(url) == []  # out of the pool now, not at the next get()
+            stream, audio = await asyncio.wait_for(_speak(tts, _tokens(REPLIES[1])), HANG_GUARD)
+            assert await _connections(url) == 2 and tts.sockets.opened == 2
+        finally:
+            await tts.aclose()
+        [report] = stream.text_streams
+        assert report.warm is False and report.endpoints == [url]
+        _same_audio(audio, await _post_dual(url, REPLIES[1], 7, 2))
+
+
 async def test_an_engine_killed_mid_call_is_failed_over_and_the_call_stays_warm(tiny_checkpoint):
     """Engine a speaks the first reply on the prewarmed socket; during the second it is
     SIGKILLed after the first audio, text still open: the reply moves to b, the text so far

@@ -21,7 +21,8 @@ from qwen3_tts_engine.serving.errors import as_request_error
 
 SHARED = ("SAMPLE_RATE", "SAMPLE_RATES", "FRAME_RATE", "FRAME_SAMPLES", "CHUNK_FRAMES", "BYTES_PER_SAMPLE",
           "HEADER_VARIANT", "HEADER_MODEL", "HEADER_SAMPLE_RATE", "HEADER_REQUEST_ID", "LANGUAGES",
-          "SPEECH_STREAM_PATH", "SPEECH_STREAM_SUBPROTOCOL")  # fmt: skip
+          "SPEECH_STREAM_PATH", "SPEECH_STREAM_SUBPROTOCOL", "HEADER_CAPPED", "HEADER_FINISH_REASON",
+          "FINISH_REASONS")  # fmt: skip
 
 
 @pytest.mark.parametrize("name", SHARED)

@@ -11,7 +11,7 @@ from .clauses import FirstClauseTokenizer
 from .fleet import Capacity, Target
 from .models import TaskTypes, TTSLanguages, TTSModels, TTSVoices, Variants
 from .protocol import SAMPLE_RATE
-from .tts import TTS, ChunkedStream, SentenceReport, SynthesizeStream
+from .tts import TTS, ChunkedStream, Ending, SentenceReport, SynthesizeStream
 from .version import __version__
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "ChunkedStream",
     "SynthesizeStream",
     "SentenceReport",
+    "Ending",
     "fleet",
     "Capacity",
     "Target",

@@ -57,6 +57,7 @@ class Endpoint:
     retired: bool = False  # its address vanished from its name: no new requests
     probed_at: float = 0.0
     streaming_text: bool | None = None  # from its status; None: not read since it last failed
+    protocol: str = "qwen3-tts"  # the dialect it speaks: the engine's own, or "vllm-omni"
 
     def free(self) -> int | None:
         """Estimated free slots now (None: the engine does not report its load)."""
@@ -66,6 +67,7 @@ class Endpoint:
 @dataclass
 class _Source:
     target: Target
+    protocol: str = "qwen3-tts"  # of every endpoint behind it
     endpoints: list[Endpoint] = field(default_factory=list)
     resolved_at: float | None = None  # None: never resolved (or not a name)
 
@@ -75,19 +77,23 @@ class EndpointPool:
         self, urls: list[str], client: httpx.AsyncClient, *, strategy: Strategy = "balanced",
         probe_interval: float = 2.0, load_interval: float = 0.5, resolve_interval: float = 10.0,
         resolver: Resolver | None = None, rng: random.Random | None = None,
-        headers: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None, protocols: list[str] | None = None,
     ) -> None:  # fmt: skip
         if not urls:
             raise ValueError("at least one TTS base_url is required")
+        protocols = protocols or ["qwen3-tts"] * len(urls)
+        if len(protocols) != len(urls):
+            raise ValueError(f"{len(protocols)} protocols for {len(urls)} base URLs: give one "
+                             "protocol, or one per URL")  # fmt: skip
         check_strategy(strategy)
         for name, value in (("probe_interval", probe_interval), ("load_interval", load_interval),
                             ("resolve_interval", resolve_interval)):  # fmt: skip
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, not {value!r}")
-        self._sources = [_Source(Target.parse(u)) for u in urls]
+        self._sources = [_Source(Target.parse(u), p) for u, p in zip(urls, protocols, strict=True)]
         for src in self._sources:
             if not src.target.resolvable:  # an address (or https): itself, from the start
-                src.endpoints = [Endpoint(src.target.url)]
+                src.endpoints = [Endpoint(src.target.url, protocol=src.protocol)]
         self.endpoints: list[Endpoint] = []
         self._rebuild()
         self._client = client
@@ -254,8 +260,9 @@ class EndpointPool:
 
     async def _read_status(self) -> None:
         timeout = self._client.timeout.read or 2.0
-        await asyncio.gather(*(self.streams_text(ep, timeout) for ep in self.healthy()),
-                             return_exceptions=True)  # fmt: skip
+        # (a vLLM-Omni endpoint has no status: its upgrade says whether it takes streamed text)
+        await asyncio.gather(*(self.streams_text(ep, timeout) for ep in self.healthy()
+                               if ep.protocol == "qwen3-tts"), return_exceptions=True)  # fmt: skip
 
     async def refresh_load(self, ep: Endpoint) -> None:
         """`GET /load`: the engine's slots and streams. Not a health check: a failure only makes
@@ -305,7 +312,7 @@ class EndpointPool:
             if not src.endpoints:  # never resolved: the name itself (a request will say why)
                 logger.warning("TTS endpoint %s: cannot resolve %s (%s)", target.url, target.host,
                                reason)  # fmt: skip
-                src.endpoints = [Endpoint(target.url, source=target.url)]
+                src.endpoints = [Endpoint(target.url, source=target.url, protocol=src.protocol)]
                 self._rebuild()
             return  # a failed re-resolution keeps the engines it knew
         known = {ep.url: ep for ep in src.endpoints}
@@ -317,7 +324,7 @@ class EndpointPool:
         for url in urls:
             if url not in known:
                 logger.info("TTS endpoint %s joined (%s)", url, target.host)
-                src.endpoints.append(Endpoint(url, source=target.url))
+                src.endpoints.append(Endpoint(url, source=target.url, protocol=src.protocol))
         self._rebuild()
 
     def _rebuild(self) -> None:

@@ -19,10 +19,15 @@ from .endpoints import Endpoint, EndpointPool
 from .failover import EngineFull
 from .failures import EndpointUnavailable, Stalled
 from .protocol import (
+    BYTES_PER_SAMPLE,
+    FRAME_SAMPLES,
+    HEADER_CAPPED,
+    HEADER_FINISH_REASON,
     HEADER_SAMPLE_RATE,
     HEADER_VARIANT,
     SAMPLE_RATE,
     error_message,
+    finish_reason,
     rate_mismatch,
     retry_after_s,
 )
@@ -42,6 +47,7 @@ class SentenceReport:
     full: list[str] = field(default_factory=list)  # endpoints that answered 429 (engine full)
     seed: int | None = None  # sent with every attempt, so that a failover repeats the same audio
     first_chunk_frames: int | None = None  # the first chunk asked of the engine
+    finish_reason: str | None = None  # why the engine ended it (`protocol.finish_reason`)
 
     @property
     def samples(self) -> int:
@@ -49,7 +55,8 @@ class SentenceReport:
 
 
 class HttpSentenceAttempt:
-    """`body` (one sentence, its seed included) to an endpoint; its PCM into `deliver`.
+    """`bodies[protocol]` (one sentence, its seed included, as the endpoint's protocol words it)
+    to an endpoint; its PCM into `deliver`.
 
     `conn.timeout` bounds each try's connect and every wait for bytes; for a sentence requested
     ahead, the wait for its first byte counts from when `ahead` (the sentence queued before it)
@@ -57,11 +64,12 @@ class HttpSentenceAttempt:
     as the text goes to the model (LiveKit's TTFB starts there)."""
 
     def __init__(
-        self, *, pool: EndpointPool, client: httpx.AsyncClient, headers: dict[str, str], body: dict,
+        self, *, pool: EndpointPool, client: httpx.AsyncClient, headers: dict[str, str],
+        bodies: dict[str, dict],
         report: SentenceReport, deliver: Callable[[bytes], None], on_sent: Callable[[], None],
         conn: APIConnectOptions, ahead: asyncio.Future | None = None,
     ) -> None:  # fmt: skip
-        self._pool, self._client, self._headers, self._body = pool, client, headers, body
+        self._pool, self._client, self._headers, self._bodies = pool, client, headers, bodies
         self.report, self._deliver, self._on_sent = report, deliver, on_sent
         self._conn, self._ahead = conn, ahead
         self._t0 = time.perf_counter()  # first audio is counted from the sentence's first try
@@ -80,14 +88,15 @@ class HttpSentenceAttempt:
             finally:
                 span.set_attributes({"qwen3_tts.variant": report.variant or "",
                                      "qwen3_tts.first_audio_s": report.first_audio_s or -1.0,
+                                     "qwen3_tts.finish_reason": report.finish_reason or "",
                                      "qwen3_tts.delivered_bytes": report.delivered_bytes})  # fmt: skip
 
     async def _request(self, ep: Endpoint, headers: dict[str, str]) -> None:
-        conn, report = self._conn, self.report
+        conn, report, body = self._conn, self.report, self._bodies[ep.protocol]
         self._on_sent()
         # Reads are timed here (not by httpx) so that a queued sentence's wait can be excused.
         timeout = httpx.Timeout(conn.timeout, read=None)
-        request = self._client.build_request("POST", f"{ep.url}/v1/audio/speech", json=self._body,
+        request = self._client.build_request("POST", f"{ep.url}/v1/audio/speech", json=body,
                                              headers=headers, timeout=timeout)  # fmt: skip
         r = await self._open(request, conn.timeout)
         try:
@@ -104,7 +113,7 @@ class HttpSentenceAttempt:
             if r.status_code != 200:
                 raise APIStatusError(_error_message(r), status_code=r.status_code,
                                      request_id=r.headers.get("x-request-id"), body=r.text)  # fmt: skip
-            asked = self._body.get("sample_rate", SAMPLE_RATE)
+            asked = body.get("sample_rate", SAMPLE_RATE)
             if why := rate_mismatch(asked, r.headers.get(HEADER_SAMPLE_RATE)):
                 raise APIError(why, retryable=False)
             self._pool.mark_up(ep)
@@ -122,6 +131,9 @@ class HttpSentenceAttempt:
                         break
                     play_unheard(report, data, received, self._t0, self._deliver)
                     received += len(data)
+            capped = r.headers.get(HEADER_CAPPED) == "true" or _at_cap(body, received, asked)
+            report.finish_reason = finish_reason(r.headers.get(HEADER_FINISH_REASON),
+                                                 capped=capped)  # fmt: skip
         finally:
             await r.aclose()
 
@@ -140,6 +152,14 @@ class HttpSentenceAttempt:
             if not send.cancelled() and send.exception() is None:
                 await send.result().aclose()
             raise
+
+
+def _at_cap(body: dict, received: int, rate: int) -> bool:
+    """The response holds `max_new_tokens` frames: it ran to the cap asked for (how an engine
+    that names no finish reason on a streamed response is read)."""
+    cap = body.get("max_new_tokens")
+    frames = received / BYTES_PER_SAMPLE * SAMPLE_RATE / rate / FRAME_SAMPLES
+    return cap is not None and round(frames) >= cap
 
 
 def _error_message(r: httpx.Response) -> str:

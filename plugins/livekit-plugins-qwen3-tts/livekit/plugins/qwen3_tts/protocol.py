@@ -32,6 +32,12 @@ HEADER_VARIANT = "X-Qwen3-TTS-Variant"
 HEADER_MODEL = "X-Qwen3-TTS-Model"
 HEADER_SAMPLE_RATE = "X-Sample-Rate"
 HEADER_REQUEST_ID = "X-Request-Id"
+HEADER_CAPPED = "X-Qwen3-TTS-Capped"  # "true" on a whole response that ran to its frame cap
+# Why an utterance ended (the engine's word on every door: POST's header, each socket dialect's
+# done event): "stop" (end of speech), "length" (a frame cap), "repetition" (its loop
+# detector), "abort" (cancelled, client gone), "error".
+HEADER_FINISH_REASON = "X-Finish-Reason"
+FINISH_REASONS = ("stop", "length", "repetition", "abort", "error")
 
 # Streaming text input over a WebSocket.
 STATUS_PATH = "/v1/engine/status"
@@ -48,6 +54,14 @@ EV_TEXT_ACK = "input_text.ack"
 EV_FIRST_AUDIO = "response.first_audio"
 EV_DONE = "response.done"
 EV_ERROR = "error"
+# vLLM-Omni's dialect at the same route (an upgrade without the subprotocol: `socket_dialects.py`)
+OMNI_CONFIG = "session.config"
+OMNI_INPUT_TEXT = "input.text"
+OMNI_INPUT_DONE = "input.done"  # a flush: the utterance ends, the socket stays open
+OMNI_SESSION_CLOSE = "session.close"
+OMNI_AUDIO_START = "audio.start"
+OMNI_AUDIO_DONE = "audio.done"
+OMNI_SESSION_DONE = "session.done"
 
 LANGUAGES = (
     "auto", "chinese", "english", "japanese", "korean", "german",
@@ -120,7 +134,18 @@ def stream_error(event: Mapping) -> tuple[int, str]:
         status = int(event.get("status") or 500)
     except (TypeError, ValueError):
         status = 500
-    return status, error_message(event) or f"engine error {status}"
+    message = error_message(event) or event.get("message")  # vLLM-Omni's: {"type", "message"}
+    return status, str(message) if message else f"engine error {status}"
+
+
+def finish_reason(said: Any, *, capped: bool = False) -> str:
+    """Why an utterance ended: the engine's own word (a done event's `finish_reason`, POST's
+    `X-Finish-Reason`) where it gave one; an engine older than that word ended it by its frame
+    cap ("length", its `capped` flag or a cap the client saw reached) or else by end of speech
+    ("stop"). A word outside `FINISH_REASONS` (a newer engine's) is kept as said."""
+    if isinstance(said, str) and said.strip():
+        return said.strip().lower()
+    return "length" if capped else "stop"
 
 
 def retry_after_s(value: str | None, default: float = 1.0) -> float:

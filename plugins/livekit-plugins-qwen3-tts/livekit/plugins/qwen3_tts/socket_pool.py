@@ -3,15 +3,18 @@
 first pays no TCP handshake and no WebSocket upgrade. `text_socket.py` speaks on them.
 
 A parked socket is read by a task of its own: it answers the engine's pings (aiohttp answers them
-only inside `receive()`) and notices a close (the engine's keepalive, a dead engine), after which
-the socket is never handed out again. A socket is parked only in a known state: after
-`response.done`, or after a barge-in's `response.cancel` was answered by one (`cancel`).
+only inside `receive()`), notices a close (the engine's keepalive, a dead engine), after which
+the socket is never handed out again, and retires the socket itself once it has been idle for
+`max_idle_s` (LiveKit's pool checks its age only when a socket is taken: an idle call's socket
+would otherwise stay open until the engine's keepalive closed it). A socket is parked only in a
+known state: after `response.done`, or after a barge-in's `response.cancel` was answered by one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -27,24 +30,41 @@ from .protocol import (
     EV_DONE,
     EV_ERROR,
     MSG_CANCEL,
+    OMNI_INPUT_DONE,
+    OMNI_SESSION_DONE,
     SPEECH_STREAM_PATH,
     SPEECH_STREAM_SUBPROTOCOL,
     retry_after_s,
 )
+from .socket_dialects import DIALECTS
 
-# A parked socket is retired this long after its last use: below the engine's default
-# `ws_keepalive_timeout_s` (300 s), so the pool closes it before the engine would.
+# A parked socket is retired (closed by its reader) this long after it was parked: below the
+# engine's default `ws_keepalive_timeout_s` (300 s), so the plugin closes it before the engine would.
 MAX_IDLE_S = 240.0
+IDLE_CLOSE_REASON = b"idle"  # the close frame's reason when the plugin retires an idle socket
 PREWARM_TIMEOUT_S = 10.0  # LiveKit's default `conn_options.timeout`
+# vLLM-Omni closes a socket that sent no message for 30 s (its idle timeout; pings do not count):
+# a parked socket of its dialect sends an empty flush (`input.done`, answered by `session.done`)
+# this often, as LiveKit's Baseten plugin does.
+OMNI_KEEPALIVE_S = 15.0
 
 
 class WarmSocket:
-    """One socket to one endpoint. `reused`: it was open before the utterance that holds it."""
+    """One socket to one endpoint. `reused`: it was open before the utterance that holds it.
+    Parked, it is retired after `max_idle_s` (`on_retired(self)` is then called)."""
 
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse, url: str) -> None:
-        self.ws, self.url = ws, url
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, url: str, *,
+                 protocol: str = "qwen3-tts", max_idle_s: float = MAX_IDLE_S,
+                 keepalive_s: float | None = None,
+                 on_retired: Callable[[WarmSocket], None] | None = None) -> None:  # fmt: skip
+        self.ws, self.url, self.protocol = ws, url, protocol
         self.reused = False
         self.utterances = 0  # started on it
+        self.flushes = 0  # vLLM-Omni's dialect: `input.done`s sent (the server counts them too)
+        self.retired = False  # closed by its parked reader after `max_idle_s` idle
+        self._max_idle_s, self._on_retired = max_idle_s, on_retired
+        self._keepalive_s = keepalive_s  # parked: an empty flush this often (vLLM-Omni's dialect)
+        self.keepalives = 0  # empty flushes sent
         self._dead = False  # the parked reader saw a close or a message nobody asked for
         self._reader: asyncio.Task | None = None
         self.park()  # a new socket waits in the pool (prewarm) until it is taken
@@ -55,7 +75,9 @@ class WarmSocket:
 
     def park(self) -> None:
         if self._reader is None and self.alive:
-            self._reader = asyncio.create_task(self._read_parked(), name="qwen3-tts-warm-socket")
+            deadline = time.monotonic() + self._max_idle_s  # the idle age counts from parking
+            self._reader = asyncio.create_task(self._read_parked(deadline),
+                                               name="qwen3-tts-warm-socket")  # fmt: skip
 
     async def take(self) -> bool:
         """Stop the parked reader; whether the socket can carry an utterance."""
@@ -70,12 +92,25 @@ class WarmSocket:
         await self.ws.close()
 
     async def wait_closed(self) -> None:
-        """Until the engine closes the socket while it is parked (tests: its keepalive)."""
+        """Until the parked socket is closed: by the engine (its keepalive) or retired."""
         if self._reader is not None:
             await asyncio.shield(self._reader)
 
-    async def _read_parked(self) -> None:
-        msg = await self.ws.receive()  # pings are answered in there; it returns on anything else
+    async def _read_parked(self, deadline: float) -> None:
+        # One deadline for the whole wait: receive()'s own timeout restarts at every ping and
+        # pong (aiohttp), which the heartbeat sends more often than any idle bound.
+        try:
+            async with asyncio.timeout(deadline - time.monotonic()):
+                msg = await self._receive_parked()
+        except TimeoutError:
+            self._dead = self.retired = True
+            logger.info("TTS socket to %s idle for %g s: retired", self.url, self._max_idle_s)
+            # closed from this task, the socket's only reader (closing from another task while
+            # receive() waits would cut the transport: the engine would see 1006)
+            await self.ws.close(code=aiohttp.WSCloseCode.OK, message=IDLE_CLOSE_REASON)
+            if self._on_retired is not None:
+                self._on_retired(self)
+            return
         self._dead = True
         if msg.type == aiohttp.WSMsgType.TEXT:  # e.g. an error event: the state is unknown
             logger.info("TTS socket to %s said %r while idle: dropped", self.url, msg.data[:120])
@@ -85,39 +120,72 @@ class WarmSocket:
         if not self.ws.closed:
             await self.ws.close()
 
+    async def _receive_parked(self) -> aiohttp.WSMessage:
+        """The next message that is not an answer to our keepalive (pings are answered inside
+        `receive()`)."""
+        while True:
+            if self._keepalive_s is None:
+                return await self.ws.receive()
+            try:
+                async with asyncio.timeout(self._keepalive_s):
+                    msg = await self.ws.receive()
+            except TimeoutError:
+                try:
+                    await self.ws.send_json({"type": OMNI_INPUT_DONE})
+                except asyncio.CancelledError:  # taken mid-send: whether the server counts
+                    self._dead = True  # this flush is unknown, so its indices would be too
+                    raise
+                self.flushes += 1  # the server counts each flush: its events carry the index
+                self.keepalives += 1
+                continue
+            if msg.type == aiohttp.WSMsgType.TEXT and _is_flush_done(msg.data):
+                continue  # a keepalive's answer
+            return msg
+
+
+def _is_flush_done(data: str) -> bool:
+    try:
+        event = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(event, dict) and event.get("type") == OMNI_SESSION_DONE
+
 
 class SocketPool:
-    """Warm sockets per endpoint URL, each endpoint's in a `utils.ConnectionPool`.
+    """Warm sockets per endpoint URL and dialect (`socket_dialects.py`), each in a
+    `utils.ConnectionPool`.
 
-    `session()`: the aiohttp session to connect with; `headers`: the engine's auth. `opened`
-    counts sockets opened (tests and the bench read it)."""
+    `session()`: the aiohttp session to connect with; `headers`: the engine's auth; `max_idle_s`:
+    how long a parked socket waits for an utterance before it is closed. `opened` counts sockets
+    opened, `retired` those closed idle (tests and the bench read them)."""
 
     def __init__(self, session: Callable[[], aiohttp.ClientSession], headers: dict[str, str], *,
                  max_idle_s: float = MAX_IDLE_S) -> None:  # fmt: skip
         self._session, self._headers, self._max_idle_s = session, headers, max_idle_s
-        self._pools: dict[str, utils.ConnectionPool[WarmSocket]] = {}
+        self._pools: dict[tuple[str, str], utils.ConnectionPool[WarmSocket]] = {}
         self._settling: dict[str, set[asyncio.Task]] = {}  # per URL: sockets being cancelled
         self._parked: set[WarmSocket] = set()
         self._prewarm: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
-        self.opened = 0
+        self.opened = self.retired = 0
+        self.omni_keepalive_s = OMNI_KEEPALIVE_S  # a parked vLLM-Omni socket's (tests shorten it)
         self._closed = False
 
-    def _pool(self, url: str) -> utils.ConnectionPool[WarmSocket]:
-        if url not in self._pools:
-            self._pools[url] = utils.ConnectionPool[WarmSocket](
-                connect_cb=lambda timeout: self._open(url, timeout), close_cb=self._close,
-                # the time counts from the last get(): a socket idle that long is closed by us
-                max_session_duration=self._max_idle_s, mark_refreshed_on_get=True,
+    def _pool(self, url: str, protocol: str) -> utils.ConnectionPool[WarmSocket]:
+        if (url, protocol) not in self._pools:
+            self._pools[(url, protocol)] = utils.ConnectionPool[WarmSocket](
+                # no `max_session_duration`: each parked socket's reader retires it on time
+                connect_cb=lambda timeout: self._open(url, protocol, timeout), close_cb=self._close,
             )  # fmt: skip
-        return self._pools[url]
+        return self._pools[(url, protocol)]
 
-    async def get(self, url: str, timeout: float) -> WarmSocket:
-        """A socket to `url`: a parked one that is still open, else a new one (raising what a
-        failed connection means for the failover loop: `Stalled`, `EngineFull`, ...)."""
+    async def get(self, url: str, timeout: float, protocol: str = "qwen3-tts") -> WarmSocket:
+        """A socket to `url` in `protocol`'s dialect: a parked one that is still open, else a new
+        one (raising what a failed connection means for the failover loop: `Stalled`,
+        `EngineFull`, ...)."""
         if settling := self._settling.get(url):  # a barge-in's cancel: its socket comes back
             await asyncio.gather(*settling, return_exceptions=True)
-        pool = self._pool(url)
+        pool = self._pool(url, protocol)
         while True:
             sock = await pool.get(timeout=timeout)
             reused = pool.last_connection_reused  # set by this get(): nothing ran in between
@@ -135,7 +203,7 @@ class SocketPool:
             return
         sock.park()
         self._parked.add(sock)
-        self._pool(sock.url).put(sock)
+        self._pool(sock.url, sock.protocol).put(sock)
 
     def parked(self, url: str) -> list[WarmSocket]:
         """The sockets to `url` waiting for an utterance."""
@@ -143,7 +211,7 @@ class SocketPool:
 
     def discard(self, sock: WarmSocket) -> None:
         """Never used again: closed now (in the background)."""
-        self._pool(sock.url).remove(sock)
+        self._pool(sock.url, sock.protocol).remove(sock)
         self._spawn(self._close(sock))
 
     def cancel(self, sock: WarmSocket, sender: asyncio.Task, bound: float) -> None:
@@ -195,10 +263,17 @@ class SocketPool:
     async def _prewarm_one(self, endpoints: EndpointPool, ask_engine: bool) -> None:
         ep = await endpoints.acquire()
         try:
-            if ask_engine and not await endpoints.streams_text(ep, PREWARM_TIMEOUT_S):
+            # the engine's status says; vLLM-Omni has none: its upgrade says (404: no socket)
+            if (
+                ask_engine
+                and ep.protocol == "qwen3-tts"
+                and not await endpoints.streams_text(ep, PREWARM_TIMEOUT_S)
+            ):
+                return
+            if ep.streaming_text is False:
                 return
             # a parked socket if there is one, else a new one (still parked: its reader runs)
-            sock = await self._pool(ep.url).get(timeout=PREWARM_TIMEOUT_S)
+            sock = await self._pool(ep.url, ep.protocol).get(timeout=PREWARM_TIMEOUT_S)
             self._parked.discard(sock)
             self.put(sock)
         except Exception as e:  # as LiveKit's pool: a failed prewarm leaves the first reply to it
@@ -215,12 +290,22 @@ class SocketPool:
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(p.aclose() for p in self._pools.values()), return_exceptions=True)
 
-    async def _open(self, url: str, timeout: float) -> WarmSocket:
+    async def _open(self, url: str, protocol: str, timeout: float) -> WarmSocket:
         headers = dict(self._headers)
         propagate.inject(headers)  # the engine continues the trace of the utterance that opened it
-        ws = await connect(self._session(), url, headers, timeout)
+        ws = await connect(self._session(), url, headers, timeout,
+                           DIALECTS[protocol].subprotocols)  # fmt: skip
         self.opened += 1
-        return WarmSocket(ws, url)
+        keepalive = self.omni_keepalive_s if protocol == "vllm-omni" else None
+        return WarmSocket(ws, url, protocol=protocol, max_idle_s=self._max_idle_s,
+                          keepalive_s=keepalive, on_retired=self._retire)  # fmt: skip
+
+    def _retire(self, sock: WarmSocket) -> None:
+        """A parked socket closed itself, idle: out of the pool now, not at the next get()."""
+        self.retired += 1
+        self._parked.discard(sock)
+        if not self._closed:
+            self._pool(sock.url, sock.protocol).remove(sock)
 
     async def _close(self, sock: WarmSocket) -> None:  # the ConnectionPool's close_cb
         self._parked.discard(sock)
@@ -234,14 +319,15 @@ class SocketPool:
 
 
 async def connect(session: aiohttp.ClientSession, url: str, headers: dict[str, str],
-                  timeout: float) -> aiohttp.ClientWebSocketResponse:  # fmt: skip
-    """The WebSocket upgrade at `url`'s streaming-text route, within `timeout`; a failure raised
-    as what it means for the failover loop."""
+                  timeout: float, subprotocols: tuple[str, ...] = (SPEECH_STREAM_SUBPROTOCOL,),
+                  ) -> aiohttp.ClientWebSocketResponse:  # fmt: skip
+    """The WebSocket upgrade at `url`'s streaming-text route (`subprotocols`: the dialect's),
+    within `timeout`; a failure raised as what it means for the failover loop."""
     ws_url = "ws" + url.removeprefix("http") + SPEECH_STREAM_PATH
     try:
         async with asyncio.timeout(timeout):
             return await session.ws_connect(
-                ws_url, protocols=(SPEECH_STREAM_SUBPROTOCOL,), headers=headers,
+                ws_url, protocols=subprotocols, headers=headers,
                 # A peer that stops answering pings is found within `timeout` of the last
                 # message, in use (the engine may rightly be silent while text is open) or parked.
                 heartbeat=timeout * 2 / 3,

@@ -1,5 +1,5 @@
 """LiveKit TTS for Qwen3-TTS engines (ours on MLX, or vLLM-Omni on GPUs) over streaming HTTP,
-or over our engine's streaming-text WebSocket (`text_input`; the socket: `text_socket.py`).
+or over a streaming-text WebSocket in either's dialect (`text_input`; `text_socket.py`).
 Every utterance, either way, goes from engine to engine by one loop (`failover.py`).
 
 In sentence mode, text from the LLM is cut into sentences; each is synthesized as soon as it is complete, while the
@@ -14,6 +14,7 @@ import contextlib
 import os
 import random
 import weakref
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
@@ -49,13 +50,14 @@ from .models import (
 )
 from .protocol import (
     MSG_SESSION_START,
+    OMNI_CONFIG,
     SAMPLE_RATE,
     SAMPLE_RATES,
     has_speakable_text,
     normalize_language,
 )
 from .segment_text import SegmentText, split_sentences
-from .socket_pool import SocketPool
+from .socket_pool import MAX_IDLE_S, SocketPool
 from .text_socket import NoTextStreaming, SocketAttempt, TextStreamReport
 
 _Piece = TypeVar("_Piece", str, SegmentText)  # what a segment is spoken in: sentences, utterances
@@ -65,6 +67,21 @@ DEFAULT_URL = "http://127.0.0.1:8880"
 # once. Synthesis requests are bounded by `conn_options.timeout` alone.
 DEFAULT_TIMEOUT = httpx.Timeout(2.0)
 _TASK_TYPES = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
+# what the warning says of an utterance that did not end by end of speech
+_ENDINGS = {"length": "ran to its frame cap instead of ending by itself",
+            "repetition": "was ended by the engine's loop detector (repeating audio)",
+            "abort": "was aborted by the engine", "error": "failed in the engine"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Ending:
+    """Why one utterance ended (`protocol.finish_reason`): what a TTS's `"finish_reason"`
+    event carries, once per utterance (a sentence request, a streamed utterance)."""
+
+    reason: str  # stop | length | repetition | abort | error (or a newer engine's word)
+    text: str
+    endpoint: str | None
+    request_id: str | None = None
 
 
 @dataclass
@@ -91,14 +108,20 @@ class _TTSOptions:
     first_clause_chunk_frames: int | None = 2
     text_input: TextInput = "auto"
     sample_rate: int = SAMPLE_RATE  # of the audio asked for (the engine resamples)
+    protocols: tuple[str, ...] = ()  # one per base URL where they differ (else all `protocol`)
+
+    def dialects(self) -> tuple[str, ...]:
+        """The protocols in use (each endpoint's, `Endpoint.protocol`)."""
+        return tuple(dict.fromkeys(self.protocols or (self.protocol,)))
 
     def __post_init__(self) -> None:  # also checks what update_options() changes
         if self.first_chunk_frames not in (1, 2, 4):
             raise ValueError("first_chunk_frames must be 1, 2 or 4")
         if self.prefetch < 0:
             raise ValueError("prefetch must be >= 0")
-        if self.protocol not in ("qwen3-tts", "vllm-omni"):
-            raise ValueError("protocol must be 'qwen3-tts' or 'vllm-omni'")
+        if any(p not in ("qwen3-tts", "vllm-omni") for p in (self.protocol, *self.protocols)):
+            raise ValueError("protocol must be 'qwen3-tts' or 'vllm-omni' (or a list of them, "
+                             "one per base URL)")  # fmt: skip
         if self.task_type is not None and self.task_type not in _TASK_TYPES:
             raise ValueError(f"task_type must be one of {', '.join(_TASK_TYPES)}")
         m = self.first_clause_min_words
@@ -109,14 +132,10 @@ class _TTSOptions:
             raise ValueError(
                 f"text_input must be 'auto', 'stream' or 'sentences', not {self.text_input!r}"
             )
-        if self.text_input == "stream" and self.protocol != "qwen3-tts":
-            raise ValueError(
-                "text_input='stream' needs protocol='qwen3-tts' (vLLM-Omni takes sentences)"
-            )
         if self.sample_rate not in SAMPLE_RATES:
             raise ValueError(f"sample_rate must be one of {', '.join(map(str, SAMPLE_RATES))}, "
                              f"not {self.sample_rate!r}")  # fmt: skip
-        if self.sample_rate != SAMPLE_RATE and self.protocol != "qwen3-tts":
+        if self.sample_rate != SAMPLE_RATE and "vllm-omni" in self.dialects():
             raise ValueError(f"sample_rate={self.sample_rate} needs protocol='qwen3-tts' "
                              f"(vLLM-Omni sends {SAMPLE_RATE} Hz)")  # fmt: skip
         if self.first_clause_chunk_frames not in (None, 1, 2, 4):
@@ -132,8 +151,9 @@ class _TTSOptions:
         return replace(self, first_chunk_frames=frames)
 
     def streams_text(self) -> bool | None:
-        """Whether a stream's segments go over the streaming-text socket: None: ask the engine."""
-        if self.text_input == "sentences" or self.protocol != "qwen3-tts":
+        """Whether a stream's segments go over the streaming-text socket: None: ask the engine
+        (its status; vLLM-Omni's upgrade)."""
+        if self.text_input == "sentences":
             return False
         return True if self.text_input == "stream" else None
 
@@ -141,14 +161,35 @@ class _TTSOptions:
         """The `session.start` message of a segment's `index`-th streamed utterance: the fields
         of a request; the first asks for the small first chunk of a reply's first request when
         one is set (never larger than `first_chunk_frames`)."""
+        body = self._stream_body(seed, index, "qwen3-tts")
+        return {"type": MSG_SESSION_START, **body}
+
+    def stream_config(self, seed: int, index: int = 0) -> dict:
+        """vLLM-Omni's `session.config` for the same utterance: its own fields, the seed (so a
+        failover between dialects repeats the same audio), PCM streamed as it is made."""
+        body = self._stream_body(seed, index, "vllm-omni")
+        return {"type": OMNI_CONFIG, **body, "seed": seed, "stream_audio": True,
+                "initial_codec_chunk_frames": body.pop("first_chunk_frames")}  # fmt: skip
+
+    def stream_starts(self, seed: int, index: int = 0) -> dict[str, dict]:
+        """The opening message of the utterance in each dialect in use."""
+        make = {"qwen3-tts": self.stream_start, "vllm-omni": self.stream_config}
+        return {p: make[p](seed, index) for p in self.dialects()}
+
+    def _stream_body(self, seed: int, index: int, protocol: str) -> dict:
         frames = self.first_chunk_frames
         if index == 0:
             frames = min(self.first_clause_chunk_frames or frames, frames)
-        body = replace(self, first_chunk_frames=frames).request_body("", seed)
+        body = replace(self, first_chunk_frames=frames).request_body("", seed, protocol)
         del body["input"], body["stream"]
-        return {"type": MSG_SESSION_START, **body}
+        body.setdefault("first_chunk_frames", frames)
+        return body
 
-    def request_body(self, text: str, seed: int | None) -> dict:
+    def request_bodies(self, text: str, seed: int | None) -> dict[str, dict]:
+        """One sentence's JSON in each protocol in use."""
+        return {p: self.request_body(text, seed, p) for p in self.dialects()}
+
+    def request_body(self, text: str, seed: int | None, protocol: str | None = None) -> dict:
         """The JSON for one sentence. vLLM-Omni gets only the fields it defines."""
         body = {
             "model": self.model, "input": text, "voice": self.voice, "response_format": "pcm",
@@ -157,7 +198,7 @@ class _TTSOptions:
             "instructions": self.instructions, "ref_audio": self.ref_audio,
             "ref_text": self.ref_text, "max_new_tokens": self.max_new_tokens,
         }  # fmt: skip
-        if self.protocol == "qwen3-tts":
+        if (protocol or self.protocol) == "qwen3-tts":
             body.update(
                 variant=self.variant, temperature=self.temperature, top_k=self.top_k,
                 top_p=self.top_p, repetition_penalty=self.repetition_penalty, seed=seed,
@@ -190,7 +231,7 @@ class TTS(tts.TTS):
         first_chunk_frames: FirstChunkFrames = 4,
         first_clause_min_words: int | None = 3,
         first_clause_chunk_frames: int | None = 2,
-        protocol: Protocol = "qwen3-tts",
+        protocol: Protocol | list[Protocol] = "qwen3-tts",
         text_input: TextInput = "auto",
         sample_rate: int = SAMPLE_RATE,
         prefetch: int = 1,
@@ -202,6 +243,7 @@ class TTS(tts.TTS):
         resolver: Resolver | None = None,
         tokenizer: tokenize.SentenceTokenizer | None = None,
         http_client: httpx.AsyncClient | None = None,
+        socket_max_idle: float = MAX_IDLE_S,
     ) -> None:
         """Qwen3-TTS over HTTP.
 
@@ -214,13 +256,15 @@ class TTS(tts.TTS):
         a stream is open; power of two choices) or "priority" (the first healthy URL in order).
         A request fails over to another engine when one dies; one that answers 429 (full) is
         passed over for its Retry-After without being marked down. Use
-        `protocol="vllm-omni"` for a vLLM-Omni server (only its own fields are sent).
+        `protocol="vllm-omni"` for a vLLM-Omni server (only its own fields are sent; streamed
+        text in its socket dialect), or a list, one protocol per `base_url`.
         `text_input` says how a stream's text reaches the engine: `"stream"` as the LLM writes it,
-        over the engine's streaming-text WebSocket (one socket kept open from reply to reply, opened
-        by `prewarm()`: see docs/plugins.md); `"sentences"`
+        over the engine's streaming-text WebSocket in the endpoint's dialect (one socket kept
+        open from reply to reply, opened by `prewarm()`: see docs/plugins.md); `"sentences"`
         as one HTTP request per sentence (below); `"auto"` streams where the engine's status says
-        `streaming_text` (read once per endpoint) and sends sentences elsewhere (vLLM-Omni and
-        older engines). `synthesize()` always makes one HTTP request.
+        `streaming_text` (read once per endpoint; a vLLM-Omni endpoint: where its socket's
+        upgrade succeeds) and sends sentences elsewhere (older engines). `synthesize()` always
+        makes one HTTP request.
         `max_new_tokens` caps each sentence's frames on either path (under it a streamed segment
         is one socket utterance per sentence: the engine caps an utterance as a whole).
         `prefetch` is how many sentences may be requested ahead of the one playing.
@@ -238,6 +282,8 @@ class TTS(tts.TTS):
         `sample_rate` (8000, 16000, 24000 or 48000; fixed for the TTS's life) is the rate the
         engine is asked to send (it resamples from its 24 kHz) and this TTS's `sample_rate`:
         16000 or 8000 for a phone call saves LiveKit resampling every frame (qwen3-tts only).
+        `socket_max_idle` (s): a warm socket that waited this long for an utterance is closed by
+        the plugin (keep it below the engine's `ws_keepalive_timeout_s`, 300 s by default).
         """
         super().__init__(
             capabilities=tts.TTSCapabilities(streaming=True),
@@ -246,6 +292,13 @@ class TTS(tts.TTS):
         )
         urls = base_url or os.environ.get("QWEN3_TTS_URL", DEFAULT_URL)
         urls = [u.strip() for u in urls.split(",")] if isinstance(urls, str) else list(urls)
+        protocols: tuple[str, ...] = ()
+        if not isinstance(protocol, str):  # one per base URL
+            protocols = tuple(protocol)
+            if len(protocols) != len(urls):
+                raise ValueError(f"{len(protocols)} protocols for {len(urls)} base URLs: give "
+                                 "one protocol, or one per URL")  # fmt: skip
+            protocol = protocols[0]
         self._opts = _TTSOptions(
             model=model, voice=voice, language=normalize_language(language),
             instructions=instructions, ref_audio=ref_audio, ref_text=ref_text,
@@ -254,7 +307,7 @@ class TTS(tts.TTS):
             max_new_tokens=max_new_tokens, first_chunk_frames=first_chunk_frames,
             protocol=protocol, prefetch=prefetch, first_clause_min_words=first_clause_min_words,
             first_clause_chunk_frames=first_clause_chunk_frames, text_input=text_input,
-            sample_rate=sample_rate,
+            sample_rate=sample_rate, protocols=protocols,
         )  # fmt: skip
         api_key = api_key or os.environ.get("QWEN3_TTS_API_KEY")
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -265,11 +318,17 @@ class TTS(tts.TTS):
         )
         self._pool = EndpointPool(urls, self._client, strategy=strategy, probe_interval=probe_interval,
                                   load_interval=load_interval, resolve_interval=resolve_interval,
-                                  resolver=resolver, headers=self._headers)  # fmt: skip
+                                  resolver=resolver, headers=self._headers,
+                                  protocols=list(protocols or [protocol] * len(urls)))  # fmt: skip
         self._ws_session: aiohttp.ClientSession | None = None  # made when first needed
-        self._sockets = SocketPool(self._ws_http, self._headers)
+        if not socket_max_idle > 0:
+            raise ValueError(f"socket_max_idle must be > 0 seconds, not {socket_max_idle!r}")
+        self._sockets = SocketPool(self._ws_http, self._headers, max_idle_s=socket_max_idle)
         self._tokenizer = tokenizer or tokenize.basic.SentenceTokenizer()
         self._streams: weakref.WeakSet[ChunkedStream | SynthesizeStream] = weakref.WeakSet()
+        # utterances by why they ended; LiveKit's TTSMetrics has no field for it: the agent
+        # counts the `"finish_reason"` events (docs/plugins.md)
+        self.finish_reasons: Counter[str] = Counter()
         self._closed = False
 
     @property
@@ -379,6 +438,22 @@ class TTS(tts.TTS):
             self._ws_session = aiohttp.ClientSession()
             return self._ws_session
 
+    def _finished(self, report: SentenceReport | TextStreamReport) -> None:
+        """An utterance was spoken: count why it ended, warn where it was not end of speech, and
+        emit `"finish_reason"` with an `Ending`."""
+        reason = report.finish_reason
+        if reason is None:
+            return
+        request_id = getattr(report, "request_ids", None) or [None]
+        ending = Ending(reason=reason, text=report.text, request_id=request_id[-1],
+                        endpoint=report.endpoints[-1] if report.endpoints else None)  # fmt: skip
+        self.finish_reasons[reason] += 1
+        if reason != "stop":
+            logger.warning("TTS utterance %s at %s %s (finish_reason=%s): %r",
+                           ending.request_id or "", ending.endpoint,
+                           _ENDINGS.get(reason, "ended"), reason, report.text[:60])  # fmt: skip
+        self.emit("finish_reason", ending)
+
     # -- one utterance on one transport (`failover.speak` tries it from engine to engine) -----
 
     def _sentence_attempt(
@@ -390,7 +465,7 @@ class TTS(tts.TTS):
         seed = opts.seed if opts.seed is not None else random.randrange(2**31)
         report.seed, report.first_chunk_frames = seed, opts.first_chunk_frames
         return HttpSentenceAttempt(pool=self._pool, client=self._client, headers=self._headers,
-                                   body=opts.request_body(report.text, seed), report=report,
+                                   bodies=opts.request_bodies(report.text, seed), report=report,
                                    deliver=deliver, on_sent=on_sent, conn=conn, ahead=ahead)  # fmt: skip
 
     def _socket_attempt(
@@ -401,7 +476,7 @@ class TTS(tts.TTS):
         first may still fall back to sentences where its engine takes no streamed text."""
         seed = opts.seed if opts.seed is not None else random.randrange(2**31)
         return SocketAttempt(pool=self._pool, sockets=self._sockets,
-                             start=opts.stream_start(seed, index), text=text, report=report,
+                             starts=opts.stream_starts(seed, index), text=text, report=report,
                              conn=conn, deliver=deliver, on_sent=on_sent,
                              ask_engine=opts.streams_text() is None, may_fall_back=index == 0)  # fmt: skip
 
@@ -429,6 +504,7 @@ class ChunkedStream(tts.ChunkedStream):
                                                   lambda: None, self._conn_options)  # fmt: skip
             await failover.speak(self._tts._pool, attempt,
                                  may_fail_over=lambda: first or report.delivered_bytes > 0)  # fmt: skip
+        self._tts._finished(report)
 
     async def aclose(self) -> None:
         self._tts._streams.discard(self)
@@ -550,15 +626,17 @@ class SynthesizeStream(tts.SynthesizeStream):
         attempt = self._tts._socket_attempt(self._opts, index, text, report, deliver,
                                             self._mark_started, self._conn_options)  # fmt: skip
         await failover.speak(self._tts._pool, attempt, may_fail_over=self._may_fail_over)
+        self._tts._finished(report)
         if not report.ended_early:
             return
-        # Only a frame cap ends an utterance before its text: under `max_new_tokens` that is a
-        # sentence's (the rest of the segment is the next sentences'); without it, the engine's
-        # own limit, and the words it did not get are not dropped silently.
+        # Only a frame cap (or the engine's loop detector) ends an utterance before its text:
+        # under `max_new_tokens` that is a sentence's (the rest of the segment is the next
+        # sentences'); without it, the engine's own limit, and the words it did not get are not
+        # dropped silently.
         if self._opts.max_new_tokens is None:
             raise APIError(f"Qwen3-TTS ended a streamed utterance after {report.samples} samples "
-                           f"before its text was all in (its frame limit); {len(report.text)} "
-                           "characters were sent", retryable=False)  # fmt: skip
+                           f"before its text was all in (finish_reason={report.finish_reason}); "
+                           f"{len(report.text)} characters were sent", retryable=False)  # fmt: skip
         logger.info("TTS sentence capped at max_new_tokens=%d frames before its text was all in "
                     "(%d characters sent)", self._opts.max_new_tokens, len(report.text))  # fmt: skip
 
@@ -597,6 +675,7 @@ class SynthesizeStream(tts.SynthesizeStream):
         attempt = self._tts._sentence_attempt(self._opts.for_request(index), report, deliver,
                                               self._mark_started, self._conn_options, ahead)  # fmt: skip
         await failover.speak(self._tts._pool, attempt, may_fail_over=self._may_fail_over)
+        self._tts._finished(report)
 
     async def _play_in_order(
         self, pieces: AsyncIterator[_Piece],
