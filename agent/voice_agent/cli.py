@@ -126,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--tts-requests", type=int, default=8)
     b.add_argument("--out", type=Path)
+    b.add_argument("--json", action="store_true", help="JSON on stdout (bench always prints it)")
+    b.add_argument("--llm-pace", type=float, metavar="TOKENS_PER_S",
+                   help="the LLM is a paced stand-in: a fixed reply at this rate, no CPU")  # fmt: skip
+    b.add_argument("--llm-first-token-ms", type=float, default=150.0,
+                   help="the paced stand-in's first-token delay (with --llm-pace)")  # fmt: skip
     soak = b.add_argument_group("soak (`voice-agent bench soak`)")
     soak.add_argument("--minutes", type=float, default=20.0, help="how long the callers call")
     soak.add_argument("--callers", type=int, default=2, help="callers calling at the same time")
@@ -254,7 +259,12 @@ def _main(argv: list[str] | None = None) -> int:
             # CLI start-up time: the lab, for bench only
             from voice_agent.lab.bench import run_bench
 
-            return run_bench(settings, args.turns, args.paused_turns, args.tts_requests, args.out)
+            if args.llm_pace is not None and args.llm_pace <= 0:
+                print("voice-agent: error: --llm-pace must be > 0", file=sys.stderr)
+                return 2
+            pace = (args.llm_pace, args.llm_first_token_ms / 1000) if args.llm_pace else None
+            return run_bench(settings, args.turns, args.paused_turns, args.tts_requests, args.out,
+                             pace)  # fmt: skip
         return run_demo(settings, args.wav, args.out, args.json)
     except (RuntimeError, TimeoutError, FileNotFoundError, TurnAudioError) as e:
         print(f"voice-agent: error: {e}", file=sys.stderr)

@@ -448,3 +448,46 @@ def test_qwen3_tts_bench_first_chunk(tiny_checkpoint):
             assert row["gaps_s"] >= 0
         assert report[mode]["4"]["first_audio_vs_4"] == 1.0
     assert [report["sentences"][s]["chunk_frames"][0] for s in ("1", "2", "4")] == [1, 2, 4]
+
+
+def test_voice_agent_bench_paced_llm(tmp_path):
+    """`voice-agent bench --llm-pace`: the LLM is the paced stand-in (no mlx_lm); per text mode
+    the reply's first words on one clock. Keys and orderings only: the first audible sample
+    after the first audio, the reply's start after the LLM's first token, the engine's own
+    socket figure within the agent's, and every stage of the breakdown after the one before."""
+    report = _run("voice-agent", "bench", "--offline", "--llm-pace", "200", "--llm-first-token-ms", "20",
+                  "--turns", "1", "--paused-turns", "0", "--tts-requests", "1", "--json",
+                  env={"VOICE_AGENT_CACHE": str(tmp_path / "va"), "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert report["llm_pace"] == {"tokens_per_s": 200.0, "first_token_s": 0.02}
+    assert any("paced stand-in" in n for n in report["notes"])
+    modes = report["text_modes"]
+    assert set(modes) == {"stream", "clause"}
+    for mode, config in (("stream", "tuned"), ("clause", "clause")):
+        m = modes[mode]
+        first, audible = (
+            m["llm_first_token_to_first_audio_s"],
+            m["llm_first_token_to_first_audible_s"],
+        )
+        _summary(first, f"{mode} first audio", n=1)
+        _audible(audible, first, f"{mode} audible")
+        _audible(m["reply_start_to_first_audible_s"], m["reply_start_to_first_audio_s"], mode)
+        assert 0 < m["reply_start_to_first_audio_s"]["p50"] <= first["p50"], m
+        assert m["held_for_commit"] in (0, 1)
+        (turn,) = report[config]["turns"]
+        spans = turn["first_words_ms"]
+        assert set(spans) == set(m["stages_median_ms"]) == {
+            "llm_transport", "held_for_commit", "reply_start_to_tts_node", "tts_node_to_text_in",
+            "text_in_to_socket", "socket_to_first_frame", "first_frame_to_output"}  # fmt: skip
+        for name in ("llm_transport", "held_for_commit", "tts_node_to_text_in",
+                     "text_in_to_socket", "socket_to_first_frame", "first_frame_to_output"):  # fmt: skip
+            assert spans[name] >= 0, (mode, name, spans)
+        engine = turn["engine_socket_first_audio_s"]
+        if mode == "stream":  # the engine's own (its socket: text in -> first chunk), inside ours
+            assert 0 < engine <= turn["llm_first_token_to_first_audio_s"], turn
+        else:
+            assert engine is None  # sentences: no socket
+    ratios = report["text_modes_stream_over_clause_p50"]
+    assert ratios["llm_first_token_to_first_audio_s"] == pytest.approx(
+        modes["stream"]["llm_first_token_to_first_audio_s"]["p50"]
+        / modes["clause"]["llm_first_token_to_first_audio_s"]["p50"]
+    )
