@@ -111,11 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "suite",
         nargs="?",
-        choices=["soak", "fleet", "link"],
+        choices=["soak", "fleet", "link", "call"],
         help="soak: callers keep calling a "
         "real livekit-server (two workers, one engine) while faults are injected; fleet: "
         "the TTS plugin's priority vs balanced strategy over engines pinned to cores; link: "
-        "first audio on a fresh vs a warm socket across an emulated link (root)",
+        "first audio on a fresh vs a warm socket across an emulated link (root); call: "
+        "voice-to-voice where a caller on a real livekit-server hears it",
     )
     b.add_argument("--turns", type=int, default=6, help="plain spoken questions per configuration")
     b.add_argument(
@@ -237,6 +238,11 @@ def _main(argv: list[str] | None = None) -> int:
         return run_fleet_bench(args.engine_model, args.engines, args.streams, args.gap,
                                args.engine_max_batch, args.frames, args.out, args.runs,
                                tuple(p.strip() for p in args.paths.split(",") if p.strip()))  # fmt: skip
+    if args.command == "bench" and args.suite == "call":
+        from voice_agent.lab.call_bench import run_call_bench  # CLI start-up time: the lab
+
+        return run_call_bench(args.turns, args.runs, args.llm_pace or 30.0,
+                              args.llm_first_token_ms / 1000, args.engine_model, args.out)  # fmt: skip
     if args.command == "bench" and args.suite == "link":
         from voice_agent.lab.link_bench import run_link_bench  # CLI start-up time: the lab
 
