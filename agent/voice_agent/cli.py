@@ -162,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fleet.add_argument("--paths", default="sentences,stream",
                        help="configurations: sentences (HTTP), stream (the default text_input)")  # fmt: skip
+    fleet.add_argument("--loads", default="",
+                       help="a sweep: offered loads as multiples of one engine's slots, e.g. "
+                       "0.5,1.2,1.5,1.8 (sets each phase's gap; no churn phase)")  # fmt: skip
     link = b.add_argument_group("link (`voice-agent bench link`; --engine-model too)")
     link.add_argument("--rtt-ms", default="20,50", help="round-trip times of the delay line")
     link.add_argument("--utterances", type=int, default=10, help="per RTT and socket kind")
@@ -237,7 +240,8 @@ def _main(argv: list[str] | None = None) -> int:
 
         return run_fleet_bench(args.engine_model, args.engines, args.streams, args.gap,
                                args.engine_max_batch, args.frames, args.out, args.runs,
-                               tuple(p.strip() for p in args.paths.split(",") if p.strip()))  # fmt: skip
+                               tuple(p.strip() for p in args.paths.split(",") if p.strip()),
+                               tuple(float(x) for x in args.loads.split(",") if x.strip()))  # fmt: skip
     if args.command == "bench" and args.suite == "call":
         from voice_agent.lab.call_bench import run_call_bench  # CLI start-up time: the lab
 

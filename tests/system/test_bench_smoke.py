@@ -491,3 +491,36 @@ def test_voice_agent_bench_paced_llm(tmp_path):
         modes["stream"]["llm_first_token_to_first_audio_s"]["p50"]
         / modes["clause"]["llm_first_token_to_first_audio_s"]["p50"]
     )
+
+
+def test_voice_agent_bench_fleet_load_sweep(tiny_checkpoint, tmp_path):
+    """`bench fleet --loads`: per load, a priority / balanced pair whose gap offers that many of
+    one engine's slots at once (Little's law over the solo phase's time in the fleet), no churn;
+    keys, the derived numbers and the orderings only."""
+    report = _run("voice-agent", "bench", "fleet", "--engines", "2", "--streams", "3", "--frames", "4",
+                  "--engine-max-batch", "2", "--runs", "1", "--paths", "stream", "--loads", "0.5,1.5",
+                  "--engine-model", str(tiny_checkpoint("custom_voice")),
+                  env={"HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert report["loads"] == [0.5, 1.5] and set(report["configurations"]) == {"stream"}
+    c = report["configurations"]["stream"]
+    (run,) = c["runs"]
+    assert "churn" not in run and "priority" not in run  # the sweep's pairs instead
+    one = run["one_engine_slots"]
+    assert isinstance(one, int) and 1 <= one <= 2
+    assert set(run["sweep"]) == set(c["sweep"]) == {"0.5", "1.5"}
+    for key, row in run["sweep"].items():
+        assert row["load"] == float(key) and row["gap_s"] > 0
+        assert row["offered_streams_at_once"] == pytest.approx(row["load"] * one)
+        for phase in ("priority", "balanced"):
+            s = row[phase]
+            assert s["lost"] == 0 and s["streams"] == 3 and s["text_streamed"] == 3, s
+            assert s["first_audible_p95_s"] >= s["first_audio_p95_s"] > 0, s
+        ratio = row["balanced_over_priority_p95"]
+        assert ratio == pytest.approx(
+            row["balanced"]["first_audio_p95_s"] / row["priority"]["first_audio_p95_s"]
+        )
+        summary = c["sweep"][key]
+        assert summary["balanced_over_priority_p95"]["median"] == ratio
+        assert summary["lost"] == 0
+        assert summary["goal_met_every_run"] == (None if row["load"] <= 1 else ratio <= 0.6)
+    assert c["lost"] == 0
