@@ -25,7 +25,8 @@ interleaved; each run has these phases:
 
 With `--loads` (a sweep, e.g. `0.5,1.2,1.5,1.8`), phases 1-2 are replaced by one priority /
 balanced pair per load: the load is a multiple of one engine's slots (its `/load` after the solo
-phase), offered as streams at once by Little's law: `--gap` = S ÷ (load × slots). Per load and
+phase), offered as streams at once by Little's law: `--gap` = S ÷ (load × slots), S measured
+again (three replies alone) just before each load's pair. Per load and
 configuration the report has the spread of balanced ÷ priority p95 and of the offered load.
 
 Each phase starts once every engine's `/load` says nothing runs or waits (the previous phase's
@@ -287,7 +288,7 @@ async def fleet_run(model: str, text_input: str | None, engines: int, streams: i
             out["solo"] = _summary(solo, fleet)
             solo_s = out["solo"]["mean_time_in_fleet_s"]
 
-            async def pair(gap: float) -> dict:
+            async def pair(gap: float, solo_s: float | None = solo_s) -> dict:
                 """Priority then balanced at one offered load (`gap`), and what they give."""
                 res: dict = {}
                 for strategy in ("priority", "balanced"):
@@ -315,8 +316,17 @@ async def fleet_run(model: str, text_input: str | None, engines: int, streams: i
                 one = max([int(lo["slots"]) for lo in after.values() if lo] or [1])
                 out["one_engine_slots"], out["sweep"] = one, {}
                 for load in loads:
-                    g = solo_s / (load * one) if solo_s else gap
-                    out["sweep"][f"{load:g}"] = {"load": load, "gap_s": g, **await pair(g)}
+                    # S again just before: a shared machine's speed moves within minutes
+                    await _until_idle(client, fleet)
+                    t = tts("priority")
+                    try:
+                        s = _summary([(await _run(t, 1, 0.0))[0] for _ in range(3)], fleet)
+                    finally:
+                        await t.aclose()
+                    s_now = s["mean_time_in_fleet_s"] or solo_s
+                    g = s_now / (load * one) if s_now else gap
+                    out["sweep"][f"{load:g}"] = {"load": load, "solo_s": s_now, "gap_s": g,
+                                                 **await pair(g, s_now)}  # fmt: skip
                 return out
             out.update(await pair(gap))
             # the goal's load: past one engine's slots (after the traffic), within the fleet's
