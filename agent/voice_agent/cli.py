@@ -93,6 +93,14 @@ def livekit_argv(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     return argv, env
 
 
+def _numbers(text: str) -> tuple[float, ...]:
+    """An option's comma-separated numbers (`--loads 0.5,1.2`); argparse's error otherwise."""
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated numbers, not {text!r}") from None
+
+
 class _DefaultsHelp(argparse.HelpFormatter):
     """Every option's help ends with its default, unless its help already names one (the
     settings' flags name theirs: settings.add_arguments)."""
@@ -140,11 +148,12 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "suite",
         nargs="?",
-        choices=["soak", "fleet", "link"],
+        choices=["soak", "fleet", "link", "call"],
         help="soak: callers keep calling a "
         "real livekit-server (two workers, one engine) while faults are injected; fleet: "
         "the TTS plugin's priority vs balanced strategy over engines pinned to cores; link: "
-        "first audio on a fresh vs a warm socket across an emulated link (root)",
+        "first audio on a fresh vs a warm socket across an emulated link (root); call: "
+        "voice-to-voice where a caller on a real livekit-server hears it",
     )
     b.add_argument("--turns", type=int, default=6, help="plain spoken questions per configuration")
     b.add_argument(
@@ -155,6 +164,11 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--tts-requests", type=int, default=8, help="TTS requests per contention level")
     b.add_argument("--out", type=Path, help="also write the JSON report here")
+    b.add_argument("--json", action="store_true", help="JSON on stdout (bench always prints it)")
+    b.add_argument("--llm-pace", type=float, metavar="TOKENS_PER_S",
+                   help="the LLM is a paced stand-in: a fixed reply at this rate, no CPU")  # fmt: skip
+    b.add_argument("--llm-first-token-ms", type=float, default=150.0,
+                   help="the paced stand-in's first-token delay (with --llm-pace)")  # fmt: skip
     soak = b.add_argument_group("soak (`voice-agent bench soak`)")
     soak.add_argument("--minutes", type=float, default=20.0, help="how long the callers call")
     soak.add_argument("--callers", type=int, default=2, help="callers calling at the same time")
@@ -185,8 +199,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     fleet.add_argument("--paths", default="sentences,stream",
                        help="configurations: sentences (HTTP), stream (the default text_input)")  # fmt: skip
+    fleet.add_argument("--loads", default="", type=_numbers,
+                       help="a sweep: offered loads as multiples of one engine's slots, e.g. "
+                       "0.5,1.2,1.5,1.8 (sets each phase's gap; no churn phase)")  # fmt: skip
     link = b.add_argument_group("link (`voice-agent bench link`; --engine-model too)")
-    link.add_argument("--rtt-ms", default="20,50", help="round-trip times of the delay line")
+    link.add_argument("--rtt-ms", default="20,50", type=_numbers,
+                      help="round-trip times of the delay line")  # fmt: skip
     link.add_argument("--utterances", type=int, default=10, help="per RTT and socket kind")
     add_arguments(b)
     w = sub.add_parser("web", help="the browser client and its LiveKit token endpoint")
@@ -295,18 +313,17 @@ def _main(argv: list[str] | None = None) -> int:
 
         return run_fleet_bench(args.engine_model, args.engines, args.streams, args.gap,
                                args.engine_max_batch, args.frames, args.out, args.runs,
-                               tuple(p.strip() for p in args.paths.split(",") if p.strip()))  # fmt: skip
+                               tuple(p.strip() for p in args.paths.split(",") if p.strip()),
+                               args.loads)  # fmt: skip
+    if args.command == "bench" and args.suite == "call":
+        from voice_agent.lab.call_bench import run_call_bench  # CLI start-up time: the lab
+
+        return run_call_bench(args.turns, args.runs, args.llm_pace or 30.0,
+                              args.llm_first_token_ms / 1000, args.engine_model, args.out)  # fmt: skip
     if args.command == "bench" and args.suite == "link":
         from voice_agent.lab.link_bench import run_link_bench  # CLI start-up time: the lab
 
-        try:
-            rtts = [float(r) for r in args.rtt_ms.split(",") if r.strip()]
-        except ValueError:
-            print(
-                f"voice-agent: error: --rtt-ms takes numbers, not {args.rtt_ms!r}", file=sys.stderr
-            )
-            return 2
-        return run_link_bench(args.engine_model, rtts, args.utterances, args.out)
+        return run_link_bench(args.engine_model, list(args.rtt_ms), args.utterances, args.out)
     # CLI start-up time: the harness (LiveKit's pipeline) and the services, for demo and bench only
     from voice_agent.harness.demo import TurnAudioError, run_demo
     from voice_agent.services import resolve_offline
@@ -318,7 +335,12 @@ def _main(argv: list[str] | None = None) -> int:
             # CLI start-up time: the lab, for bench only
             from voice_agent.lab.bench import run_bench
 
-            return run_bench(settings, args.turns, args.paused_turns, args.tts_requests, args.out)
+            if args.llm_pace is not None and args.llm_pace <= 0:
+                print("voice-agent: error: --llm-pace must be > 0", file=sys.stderr)
+                return 2
+            pace = (args.llm_pace, args.llm_first_token_ms / 1000) if args.llm_pace else None
+            return run_bench(settings, args.turns, args.paused_turns, args.tts_requests, args.out,
+                             pace)  # fmt: skip
         return run_demo(settings, args.wav, args.out, args.json)
     except (RuntimeError, TimeoutError, FileNotFoundError, TurnAudioError) as e:
         print(f"voice-agent: error: {e}", file=sys.stderr)

@@ -174,3 +174,13 @@ def test_a_failing_llm_stops_the_engine_started_before_it(
     assert _none_left(env[MARK]) == [], "a process of the run outlived it"
     with socket.socket() as s:  # and its port is free again
         s.bind(("127.0.0.1", int(env["TTS_PORT"])))
+
+
+@pytest.mark.parametrize("argv", [["fleet", "--loads", "1,x"], ["link", "--rtt-ms", "20,fast"]])
+def test_bench_lists_of_numbers_are_checked_by_the_parser(argv, capsys):
+    from voice_agent.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["bench", *argv])
+    assert e.value.code == 2
+    assert "takes comma-separated numbers, not" in capsys.readouterr().err

@@ -448,3 +448,79 @@ def test_qwen3_tts_bench_first_chunk(tiny_checkpoint):
             assert row["gaps_s"] >= 0
         assert report[mode]["4"]["first_audio_vs_4"] == 1.0
     assert [report["sentences"][s]["chunk_frames"][0] for s in ("1", "2", "4")] == [1, 2, 4]
+
+
+def test_voice_agent_bench_paced_llm(tmp_path):
+    """`voice-agent bench --llm-pace`: the LLM is the paced stand-in (no mlx_lm); per text mode
+    the reply's first words on one clock. Keys and orderings only: the first audible sample
+    after the first audio, the reply's start after the LLM's first token, the engine's own
+    socket figure within the agent's, and every stage of the breakdown after the one before."""
+    report = _run("voice-agent", "bench", "--offline", "--llm-pace", "200", "--llm-first-token-ms", "20",
+                  "--turns", "1", "--paused-turns", "0", "--tts-requests", "1", "--json",
+                  env={"VOICE_AGENT_CACHE": str(tmp_path / "va"), "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert report["llm_pace"] == {"tokens_per_s": 200.0, "first_token_s": 0.02}
+    assert any("paced stand-in" in n for n in report["notes"])
+    modes = report["text_modes"]
+    assert set(modes) == {"stream", "clause"}
+    for mode, config in (("stream", "tuned"), ("clause", "clause")):
+        m = modes[mode]
+        first, audible = (
+            m["llm_first_token_to_first_audio_s"],
+            m["llm_first_token_to_first_audible_s"],
+        )
+        _summary(first, f"{mode} first audio", n=1)
+        _audible(audible, first, f"{mode} audible")
+        _audible(m["reply_start_to_first_audible_s"], m["reply_start_to_first_audio_s"], mode)
+        assert 0 < m["reply_start_to_first_audio_s"]["p50"] <= first["p50"], m
+        assert m["held_for_commit"] in (0, 1)
+        (turn,) = report[config]["turns"]
+        spans = turn["first_words_ms"]
+        assert set(spans) == set(m["stages_median_ms"]) == {
+            "llm_transport", "held_for_commit", "reply_start_to_tts_node", "tts_node_to_text_in",
+            "text_in_to_socket", "socket_to_first_frame", "first_frame_to_output"}  # fmt: skip
+        for name in ("llm_transport", "held_for_commit", "tts_node_to_text_in",
+                     "text_in_to_socket", "socket_to_first_frame", "first_frame_to_output"):  # fmt: skip
+            assert spans[name] >= 0, (mode, name, spans)
+        engine = turn["engine_socket_first_audio_s"]
+        if mode == "stream":  # the engine's own (its socket: text in -> first chunk), inside ours
+            assert 0 < engine <= turn["llm_first_token_to_first_audio_s"], turn
+        else:
+            assert engine is None  # sentences: no socket
+    ratios = report["text_modes_stream_over_clause_p50"]
+    assert ratios["llm_first_token_to_first_audio_s"] == pytest.approx(
+        modes["stream"]["llm_first_token_to_first_audio_s"]["p50"]
+        / modes["clause"]["llm_first_token_to_first_audio_s"]["p50"]
+    )
+
+
+def test_voice_agent_bench_fleet_load_sweep(tiny_checkpoint, tmp_path):
+    """`bench fleet --loads`: per load, a priority / balanced pair whose gap offers that many of
+    one engine's slots at once (Little's law over the solo phase's time in the fleet), no churn;
+    keys, the derived numbers and the orderings only."""
+    report = _run("voice-agent", "bench", "fleet", "--engines", "2", "--streams", "3", "--frames", "4",
+                  "--engine-max-batch", "2", "--runs", "1", "--paths", "stream", "--loads", "0.5,1.5",
+                  "--engine-model", str(tiny_checkpoint("custom_voice")),
+                  env={"HF_HUB_OFFLINE": "1"})  # fmt: skip
+    assert report["loads"] == [0.5, 1.5] and set(report["configurations"]) == {"stream"}
+    c = report["configurations"]["stream"]
+    (run,) = c["runs"]
+    assert "churn" not in run and "priority" not in run  # the sweep's pairs instead
+    one = run["one_engine_slots"]
+    assert isinstance(one, int) and 1 <= one <= 2
+    assert set(run["sweep"]) == set(c["sweep"]) == {"0.5", "1.5"}
+    for key, row in run["sweep"].items():
+        assert row["load"] == float(key) and row["gap_s"] > 0
+        assert row["offered_streams_at_once"] == pytest.approx(row["load"] * one)
+        for phase in ("priority", "balanced"):
+            s = row[phase]
+            assert s["lost"] == 0 and s["streams"] == 3 and s["text_streamed"] == 3, s
+            assert s["first_audible_p95_s"] >= s["first_audio_p95_s"] > 0, s
+        ratio = row["balanced_over_priority_p95"]
+        assert ratio == pytest.approx(
+            row["balanced"]["first_audio_p95_s"] / row["priority"]["first_audio_p95_s"]
+        )
+        summary = c["sweep"][key]
+        assert summary["balanced_over_priority_p95"]["median"] == ratio
+        assert summary["lost"] == 0
+        assert summary["goal_met_every_run"] == (None if row["load"] <= 1 else ratio <= 0.6)
+    assert c["lost"] == 0

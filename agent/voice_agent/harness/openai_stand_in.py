@@ -3,13 +3,16 @@
 It stands in for the LLM where the LLM is not what is measured or tested (no useful instruct model
 can be had offline): the tests script it (ask for the `get_current_time` tool first, answer with
 given text after the tool's result, call a tool when the caller says given words, echo, fail),
-and the soak benchmark lets it answer at once, always the same words.
+and the soak benchmark lets it answer at once, always the same words. Paced (`pace`), it writes
+its answer as an LLM does, token by token at a fixed rate after a first-token delay (asyncio
+sleeps: no CPU), for the agent bench to time the pipeline without an LLM's own cost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Callable
 
@@ -32,8 +35,12 @@ class ScriptedChatServer:
     def __init__(self, answer: str = "It is noon. Anything else I can do for you?", *,
                  use_tool: bool = True, fail: bool = False, echo: bool = False,
                  tool_rules: dict[str, str] | None = None, model: str = "scripted",
-                 keep_requests: bool = True) -> None:  # fmt: skip
+                 keep_requests: bool = True, pace: float | None = None,
+                 first_token_s: float = 0.0) -> None:  # fmt: skip
         self.answer = answer
+        # tokens a second (None: all at once) and the wait before the first (from the request)
+        self.pace, self.first_token_s = pace, first_token_s
+        self.first_token_at: list[float] = []  # perf_counter of each answer's first token sent
         # {words in the last user message: the tool to call}: e.g. {"pressed 7": "end_call"}
         self.tool_rules = {k.lower(): v for k, v in (tool_rules or {}).items()}
         self.echo = (
@@ -130,6 +137,13 @@ class ScriptedChatServer:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)
+        try:
+            await self._stream(resp, tool, body)
+        except ConnectionResetError:  # the client went away (a cancelled generation): done
+            pass
+        return resp
+
+    async def _stream(self, resp: web.StreamResponse, tool: str | None, body: dict) -> None:
         if tool is not None:
             call = {"index": 0, "id": f"call_{self.request_count}", "type": "function",
                     "function": {"name": tool, "arguments": "{}"}}  # fmt: skip
@@ -137,12 +151,25 @@ class ScriptedChatServer:
             await resp.write(self._chunk({}, "tool_calls"))
         else:
             await resp.write(self._chunk({"role": "assistant", "content": ""}))
-            for word in self.answer_to(body).split():
-                await resp.write(self._chunk({"content": word + " "}))
+            if self.pace:
+                await self._paced(resp, self.answer_to(body))
+            else:
+                for word in self.answer_to(body).split():
+                    await resp.write(self._chunk({"content": word + " "}))
             await resp.write(self._chunk({}, "stop"))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
-        return resp
+
+    async def _paced(self, resp: web.StreamResponse, text: str) -> None:
+        """`text` as BPE-like tokens (a word with its leading space, punctuation apart), the
+        first after `first_token_s`, then one every 1/`pace` s (from the first: no drift)."""
+        await asyncio.sleep(self.first_token_s)
+        t0 = time.perf_counter()
+        for i, token in enumerate(llm_tokens(text)):
+            await asyncio.sleep(max(0.0, t0 + i / self.pace - time.perf_counter()))
+            await resp.write(self._chunk({"content": token}))
+            if i == 0:
+                self.first_token_at.append(time.perf_counter())
 
     def _whole(self, tool: str | None, body: dict) -> web.Response:
         """The answer as one `chat.completion` (a request with `"stream": false`)."""
@@ -156,6 +183,12 @@ class ScriptedChatServer:
         return web.json_response({"id": "chatcmpl-1", "object": "chat.completion", "created": int(time.time()),
                                   "model": self.model,
                                   "choices": [{"index": 0, "finish_reason": finish, "message": message}]})  # fmt: skip
+
+
+def llm_tokens(text: str) -> list[str]:
+    """`text` cut as a BPE tokenizer roughly does: words with their leading space, punctuation
+    apart ("Sure, it" -> "Sure", ",", " it"); joined, the tokens are `text`."""
+    return re.findall(r"\s*[\w']+|\s*[^\w\s']+|\s+$", text)
 
 
 def last_user_text(body: dict) -> str:

@@ -13,6 +13,13 @@
    preemptive generation only the LLM time after the commit counts, at most all of it from the
    final transcript on (an upper bound on the glue).
 2. TTS first-audio latency while the local LLM generates, divided by the same when idle.
+3. Per text mode (`text_modes`: `stream`, the tuned settings; `clause`, sentences with the first
+   clause ahead), the reply's first words on one clock (`first_words.py`): LLM first token (as
+   the agent got it) -> first audio at the agent's output and -> first audible (+ the reply's
+   leading silence), the same from the reply's start (the later of that token and the turn's
+   commit), the engine's own socket figure, and the stage-by-stage breakdown. With `--llm-pace`
+   the LLM is a paced stand-in (`harness/openai_stand_in.py`: a fixed reply at a fixed rate, no
+   CPU), so these isolate the pipeline.
 """
 
 from __future__ import annotations
@@ -26,8 +33,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import httpx
+from livekit.agents import llm as lk_llm
 
 from voice_agent.harness.demo import run_turns
+from voice_agent.harness.openai_stand_in import ScriptedChatServer
+from voice_agent.lab.first_words import ReplyClock, TimedAgent, median_spans, spans_ms
 from voice_agent.lab.turn_bench import PAUSED, baseline, turn_set, word_error_rate, words
 from voice_agent.services import RANDOM_TTS, LocalService, ensure_llm, hub_model_available
 from voice_agent.settings import Settings
@@ -99,12 +109,62 @@ async def _recorded(handler, before: int, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _turns(settings: Settings, turns, tts_url: str, llm_url: str, handler) -> list[dict]:
+PACED_REPLY = ("Sure, the capital of France is Paris. It is known for its museums, its cafes "
+               "and the Eiffel Tower. Is there anything else you would like to know?")  # fmt: skip
+
+
+async def _timed_turn(settings: Settings, audio, tts_url: str, llm_url: str,
+                      first_tokens_sent: list[float]) -> tuple:  # fmt: skip
+    """One turn in a session of its own, with the reply's first words on one clock: (its
+    TurnReport, the stage stamps, the engine's own socket first audio in s or None)."""
+    clock, conversations = ReplyClock(), []
+
+    def on_start(conversation) -> None:
+        conversations.append(conversation)
+
+        def on_item(ev) -> None:
+            if isinstance(ev.item, lk_llm.ChatMessage) and ev.item.role == "user":
+                clock.committed()
+
+        conversation.session.on("conversation_item_added", on_item)
+
+    (r,) = await run_turns(settings, [audio], tts_url=tts_url, llm_url=llm_url,
+                           agent=TimedAgent(settings.instructions, clock), on_start=on_start)  # fmt: skip
+    frames = conversations[0].audio_out.frames if conversations else []
+    stamps = clock.reply_stamps(first_tokens_sent, frames[0][0] if frames else None)
+    return r, stamps, clock.engine_first_audio_s()
+
+
+def _first_words(r, stamps: dict, engine_s: float | None) -> dict:
+    """A row's first-words columns (seconds) and its breakdown (ms)."""
+    from qwen3_tts_engine.audio import leading_silence_s  # the engine's extra, as below
+
+    out_t, token, start = (
+        stamps["first_audio_out"],
+        stamps["llm_first_token"],
+        stamps["reply_start"],
+    )
+    audible = None
+    if out_t is not None and r.reply_audio is not None and len(r.reply_audio):
+        audible = out_t + leading_silence_s(r.reply_audio.tobytes(), 24000)
+    gap = lambda a, b: None if a is None or b is None else b - a  # noqa: E731
+    return {"llm_first_token_to_first_audio_s": gap(token, out_t),
+            "llm_first_token_to_first_audible_s": gap(token, audible),
+            "reply_start_to_first_audio_s": gap(start, out_t),
+            "reply_start_to_first_audible_s": gap(start, audible),
+            "commit_after_first_token_s": gap(token, stamps["turn_committed"]),
+            "engine_socket_first_audio_s": engine_s,
+            "first_words_ms": spans_ms(stamps)}  # fmt: skip
+
+
+async def _turns(settings: Settings, turns, tts_url: str, llm_url: str, handler,
+                 first_tokens_sent: list[float]) -> list[dict]:  # fmt: skip
     """Each spoken turn in a session of its own; one row per turn."""
     rows = []
     for turn in turns:
         before = len(handler.history)
-        (r,) = await run_turns(settings, [turn.audio], tts_url=tts_url, llm_url=llm_url)
+        r, stamps, engine_s = await _timed_turn(settings, turn.audio, tts_url, llm_url,
+                                                first_tokens_sent)  # fmt: skip
         if r.tts_requests and not r.silent:
             await _recorded(handler, before)
         syntheses = list(handler.history)[before:]
@@ -122,7 +182,8 @@ async def _turns(settings: Settings, turns, tts_url: str, llm_url: str, handler)
                "voice_to_voice_s": r.voice_to_voice_s, "vad_end_lag_s": r.vad_end_lag_s,
                "tts_first_chunk_compute_s": chunks[0] if chunks else None, "stt_s": r.stt_s,
                "llm_requests": r.llm_requests, "llm_wasted": r.llm_wasted,
-               "tts_requests": r.tts_requests, "tts_wasted": r.tts_wasted}  # fmt: skip
+               "tts_requests": r.tts_requests, "tts_wasted": r.tts_wasted,
+               **_first_words(r, stamps, engine_s)}  # fmt: skip
         lag = r.vad_end_lag_s  # from the caller's last sample to LiveKit's end of speech
         for ours, livekit in (
             ("end_of_turn_s", "end_of_turn_delay_s"),
@@ -172,13 +233,38 @@ def _config_report(rows: list[dict]) -> dict:
     }  # fmt: skip
 
 
+FIRST_WORDS = ("llm_first_token_to_first_audio_s", "llm_first_token_to_first_audible_s",
+               "reply_start_to_first_audio_s", "reply_start_to_first_audible_s",
+               "commit_after_first_token_s", "engine_socket_first_audio_s")  # fmt: skip
+
+
+def _text_mode(rows: list[dict]) -> dict:
+    """A text mode's first words: p50/p95 per column, how many replies the commit held (their
+    LLM's first token came before the turn was committed), the breakdown's medians (ms)."""
+    rows = [r for r in rows if not r["silent"]]
+    out = {c: _summary([r[c] for r in rows if r[c] is not None]) for c in FIRST_WORDS}
+    out["held_for_commit"] = sum((r["commit_after_first_token_s"] or 0) > 0 for r in rows)
+    out["stages_median_ms"] = median_spans([r["first_words_ms"] for r in rows])
+    return out
+
+
+def _p50_over(a: dict, b: dict, column: str) -> float | None:
+    x, y = a[column].get("p50"), b[column].get("p50")
+    return None if x is None or not y else x / y
+
+
 def _ratio(tuned: dict, base: dict, column: str) -> float | None:
     a, b = tuned["summary"][column].get("p50"), base["summary"][column].get("p50")
     return None if a is None or not b else a / b
 
 
 async def _bench(
-    settings: Settings, llm: LocalService, turns: int, paused_turns: int, tts_requests: int
+    settings: Settings,
+    llm: LocalService | None,
+    turns: int,
+    paused_turns: int,
+    tts_requests: int,
+    pace: tuple[float, float] | None = None,
 ) -> dict:
     # optional extra: the engine package (`voice-agent[local]`), needed by this command only
     from qwen3_tts_engine import Engine, EngineServer, Handler, ServerConfig
@@ -194,6 +280,14 @@ async def _bench(
     await engine.start()
     handler = engine.engine.active
     tts_url = f"http://127.0.0.1:{engine.port}"
+    stand_in = None
+    if pace is not None:  # (tokens a second, first-token delay s): no local LLM
+        stand_in = await ScriptedChatServer(PACED_REPLY, use_tool=False, keep_requests=False,
+                                            pace=pace[0], first_token_s=pace[1]).start()  # fmt: skip
+        llm = LocalService("llm", stand_in.url, model=stand_in.model)
+        notes.append(f"the LLM is a paced stand-in: {pace[0]:g} tokens/s, first token after "
+                     f"{pace[1] * 1000:g} ms, always the same reply")  # fmt: skip
+    first_tokens_sent = stand_in.first_token_at if stand_in else []
     notes += list(llm.notes)
     if llm.model:
         settings = replace(settings, llm_model=llm.model)
@@ -210,7 +304,8 @@ async def _bench(
         reports = {}
         for name, config in configs.items():
             print(f"voice-agent bench: {len(spoken)} turns, {name} settings ...", file=sys.stderr)
-            reports[name] = _config_report(await _turns(config, spoken, tts_url, llm.url, handler))
+            rows = await _turns(config, spoken, tts_url, llm.url, handler, first_tokens_sent)
+            reports[name] = _config_report(rows)
         voice = (handler.info.get("voices") or [None])[0]
         idle_audible: list[float] = []
         busy_audible: list[float] = []
@@ -223,11 +318,19 @@ async def _bench(
         lines = await busy_task
     finally:
         await engine.stop()
+        if stand_in is not None:
+            await stand_in.stop()
     tuned, base, clause = reports["tuned"], reports["baseline"], reports["clause"]
     plain = [(a["transcript"], b["transcript"]) for a, b in zip(tuned["turns"], base["turns"], strict=True)
              if a["kind"] == "plain"]  # fmt: skip
     wers = [word_error_rate(b, a) for a, b in plain if b]
+    modes = {"stream": _text_mode(tuned["turns"]), "clause": _text_mode(clause["turns"])}
     return {
+        "text_modes": modes,
+        "text_modes_stream_over_clause_p50": {
+            c: _p50_over(modes["stream"], modes["clause"], c)
+            for c in ("llm_first_token_to_first_audio_s", "reply_start_to_first_audio_s")},
+        "llm_pace": None if pace is None else {"tokens_per_s": pace[0], "first_token_s": pace[1]},
         "notes": notes,
         "settings": {name: {k: asdict(c)[k] for k in TURN_SETTINGS} for name, c in configs.items()},
         "paused_set": [{"before": b, "pause_s": p, "after": a} for b, p, a in PAUSED[:paused_turns]],
@@ -258,17 +361,23 @@ async def _bench(
 
 
 def run_bench(
-    settings: Settings, turns: int, paused_turns: int, tts_requests: int, out: Path | None
+    settings: Settings,
+    turns: int,
+    paused_turns: int,
+    tts_requests: int,
+    out: Path | None,
+    pace: tuple[float, float] | None = None,
 ) -> int:
     # The LLM service on the main thread, before the event loop (as the demo does): offline it
     # writes the tiny random LLM with mlx, and mlx used on a worker thread (asyncio.to_thread)
     # made the process abort at interpreter exit now and then ("terminate called without an
     # active exception", exit -6, after the report was printed).
-    llm = ensure_llm(settings)
+    llm = ensure_llm(settings) if pace is None else None  # paced: a stand-in, in _bench
     try:
-        report = asyncio.run(_bench(settings, llm, turns, paused_turns, tts_requests))
+        report = asyncio.run(_bench(settings, llm, turns, paused_turns, tts_requests, pace))
     finally:
-        llm.stop()
+        if llm is not None:
+            llm.stop()
     text = json.dumps(report, indent=2)
     print(text)
     if out:

@@ -23,6 +23,12 @@ interleaved; each run has these phases:
    have started, and a new engine joins (its address appears to the resolver) once two thirds
    have; streams lost must be 0 (the plugin fails over mid-utterance).
 
+With `--loads` (a sweep, e.g. `0.5,1.2,1.5,1.8`), phases 1-2 are replaced by one priority /
+balanced pair per load: the load is a multiple of one engine's slots (its `/load` after the solo
+phase), offered as streams at once by Little's law: `--gap` = S ÷ (load × slots), S measured
+again (three replies alone) just before each load's pair. Per load and
+configuration the report has the spread of balanced ÷ priority p95 and of the offered load.
+
 Each phase starts once every engine's `/load` says nothing runs or waits (the previous phase's
 tail neither slows it nor shows in its plugin's first load reports). Each phase also reports
 each engine's underruns during it and its `slots`, polled from `/load`
@@ -242,8 +248,9 @@ def _summary(results: list[dict], urls: list[str]) -> dict:
 
 
 async def fleet_run(model: str, text_input: str | None, engines: int, streams: int, gap: float,
-                    max_batch: int, frames: int) -> dict:  # fmt: skip
-    """One run on a fresh fleet: priority, balanced, then churn."""
+                    max_batch: int, frames: int, loads: tuple[float, ...] = ()) -> dict:  # fmt: skip
+    """One run on a fresh fleet: priority, balanced, then churn; with `loads`, a priority /
+    balanced pair per load (multiples of one engine's slots) and no churn."""
     port = _free_port()
     cores = sorted(os.sched_getaffinity(0))
     live = [f"127.0.0.{i + 1}" for i in range(engines)]
@@ -279,24 +286,49 @@ async def fleet_run(model: str, text_input: str | None, engines: int, streams: i
             finally:
                 await t.aclose()
             out["solo"] = _summary(solo, fleet)
-            for strategy in ("priority", "balanced"):
-                await _until_idle(client, fleet)
-                t = tts(strategy)
-                try:
-                    async with LoadWatch(client, urls) as watch:
-                        results = await _run(t, streams, gap)
-                finally:
-                    await t.aclose()
-                out[strategy] = {**_summary(results, fleet), **await watch.report(fleet)}
-            p, b = out["priority"]["first_audio_p95_s"], out["balanced"]["first_audio_p95_s"]
-            out["balanced_over_priority_p95"] = b / p if p and b else None
-            # Little's law (streams at once = arrival rate x time in the fleet): offered, by one
-            # reply's time alone; held by the balanced fleet, queueing included
-            solo_s, w = out["solo"]["mean_time_in_fleet_s"], out["balanced"]["mean_time_in_fleet_s"]
-            out["offered_streams_at_once"] = (
-                solo_s / gap if solo_s is not None and gap > 0 else None
-            )
-            out["balanced_streams_at_once"] = w / gap if w is not None and gap > 0 else None
+            solo_s = out["solo"]["mean_time_in_fleet_s"]
+
+            async def pair(gap: float, solo_s: float | None = solo_s) -> dict:
+                """Priority then balanced at one offered load (`gap`), and what they give."""
+                res: dict = {}
+                for strategy in ("priority", "balanced"):
+                    await _until_idle(client, fleet)
+                    t = tts(strategy)
+                    try:
+                        async with LoadWatch(client, urls) as watch:
+                            results = await _run(t, streams, gap)
+                    finally:
+                        await t.aclose()
+                    res[strategy] = {**_summary(results, fleet), **await watch.report(fleet)}
+                p, b = res["priority"]["first_audio_p95_s"], res["balanced"]["first_audio_p95_s"]
+                res["balanced_over_priority_p95"] = b / p if p and b else None
+                # Little's law (streams at once = arrival rate x time in the fleet): offered, by
+                # one reply's time alone; held by the balanced fleet, queueing included
+                w = res["balanced"]["mean_time_in_fleet_s"]
+                res["offered_streams_at_once"] = (
+                    solo_s / gap if solo_s is not None and gap > 0 else None
+                )
+                res["balanced_streams_at_once"] = w / gap if w is not None and gap > 0 else None
+                return res
+
+            if loads:  # the sweep: each load a multiple of one engine's slots after the solo
+                after = await _loads(client, fleet)
+                one = max([int(lo["slots"]) for lo in after.values() if lo] or [1])
+                out["one_engine_slots"], out["sweep"] = one, {}
+                for load in loads:
+                    # S again just before: a shared machine's speed moves within minutes
+                    await _until_idle(client, fleet)
+                    t = tts("priority")
+                    try:
+                        s = _summary([(await _run(t, 1, 0.0))[0] for _ in range(3)], fleet)
+                    finally:
+                        await t.aclose()
+                    s_now = s["mean_time_in_fleet_s"] or solo_s
+                    g = s_now / (load * one) if s_now else gap
+                    out["sweep"][f"{load:g}"] = {"load": load, "solo_s": s_now, "gap_s": g,
+                                                 **await pair(g, s_now)}  # fmt: skip
+                return out
+            out.update(await pair(gap))
             # the goal's load: past one engine's slots (after the traffic), within the fleet's
             slots = [n for n in out["balanced"]["slots_after"].values() if n is not None]
             offered = out["offered_streams_at_once"]
@@ -340,7 +372,8 @@ def _spread(xs: list[float | None]) -> dict | None:
 
 
 async def fleet_bench(model: str, engines: int, streams: int, gap: float, max_batch: int,
-                      frames: int, runs: int = 3, paths: tuple[str, ...] = tuple(PATHS)) -> dict:  # fmt: skip
+                      frames: int, runs: int = 3, paths: tuple[str, ...] = tuple(PATHS),
+                      loads: tuple[float, ...] = ()) -> dict:  # fmt: skip
     cores = sorted(os.sched_getaffinity(0))
     out: dict = {"engines": engines, "streams": streams, "gap_s": gap, "max_batch": max_batch,
                  "frames": frames, "runs": runs, "cores": [cores[i % len(cores)] for i in range(engines)],
@@ -351,8 +384,10 @@ async def fleet_bench(model: str, engines: int, streams: int, gap: float, max_ba
         for p in paths:
             print(f"  fleet: {p}, run {r + 1} of {runs}", file=sys.stderr, flush=True)
             out["configurations"][p]["runs"].append(
-                await fleet_run(model, PATHS[p], engines, streams, gap, max_batch, frames)
+                await fleet_run(model, PATHS[p], engines, streams, gap, max_batch, frames, loads)
             )
+    if loads:
+        return _sweep_summary(out, loads)
     for c in out["configurations"].values():
         ratios = [run["balanced_over_priority_p95"] for run in c["runs"]]
         c["balanced_over_priority_p95"] = _spread(ratios)
@@ -367,6 +402,30 @@ async def fleet_bench(model: str, engines: int, streams: int, gap: float, max_ba
     return out
 
 
+def _sweep_summary(out: dict, loads: tuple[float, ...]) -> dict:
+    """Per configuration and load: the spread over runs of balanced ÷ priority p95 and of the
+    offered load; the goal: <= 0.6 past one engine (load > 1), within noise of 1 below it."""
+    out["loads"] = list(loads)
+    out["goal"] = {"past_one_engine": f"balanced/priority p95 <= {GOAL_RATIO}",
+                   "below_one_engine": "within noise of 1", "lost": 0}  # fmt: skip
+    for c in out["configurations"].values():
+        c["sweep"] = {}
+        for load in loads:
+            rows = [run["sweep"][f"{load:g}"] for run in c["runs"]]
+            ratios = [r["balanced_over_priority_p95"] for r in rows]
+            c["sweep"][f"{load:g}"] = {
+                "balanced_over_priority_p95": _spread(ratios),
+                "offered_streams_at_once": _spread([r["offered_streams_at_once"] for r in rows]),
+                "lost": sum(r[ph]["lost"] for r in rows for ph in ("priority", "balanced")),
+                "goal_met_every_run": None if load <= 1 else all(
+                    x is not None and x <= GOAL_RATIO for x in ratios),
+            }  # fmt: skip
+        c["lost"] = sum(v["lost"] for v in c["sweep"].values()) + sum(
+            run["solo"]["lost"] for run in c["runs"]
+        )
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -375,10 +434,14 @@ def _free_port() -> int:
 
 def run_fleet_bench(model: str | None, engines: int, streams: int, gap: float, max_batch: int,
                     frames: int, out: Path | None, runs: int = 3,
-                    paths: tuple[str, ...] = tuple(PATHS)) -> int:  # fmt: skip
+                    paths: tuple[str, ...] = tuple(PATHS), loads: tuple[float, ...] = ()) -> int:  # fmt: skip
     if engines < 1 or streams < 3 or gap < 0 or max_batch < 1 or frames < 1 or runs < 1:
         print("voice-agent: error: bench fleet needs --engines >= 1, --streams >= 3, --gap >= 0, "
               "--max-batch >= 1, --frames >= 1, --runs >= 1", file=sys.stderr)  # fmt: skip
+        return 2
+    if any(x <= 0 for x in loads):
+        print("voice-agent: error: --loads takes positive multiples of one engine's slots",
+              file=sys.stderr)  # fmt: skip
         return 2
     if not paths or set(paths) - set(PATHS):
         print(f"voice-agent: error: --paths takes {', '.join(PATHS)}", file=sys.stderr)
@@ -387,7 +450,9 @@ def run_fleet_bench(model: str | None, engines: int, streams: int, gap: float, m
         from qwen3_tts_engine.tiny_checkpoints import default_tiny_checkpoint
 
         model = str(default_tiny_checkpoint())
-    result = asyncio.run(fleet_bench(model, engines, streams, gap, max_batch, frames, runs, paths))
+    result = asyncio.run(
+        fleet_bench(model, engines, streams, gap, max_batch, frames, runs, paths, loads)
+    )
     text = json.dumps(result, indent=2)
     print(text)
     if out:
