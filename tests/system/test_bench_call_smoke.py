@@ -54,3 +54,20 @@ def test_voice_agent_bench_call(tmp_path):
     assert report["outside_agent_share_p50"] == pytest.approx(
         turn["outside_agent_s"] / turn["caller_v2v_s"]
     )
+
+
+def test_turn_lines_are_read_in_either_log_format():
+    """`voice-agent start` leaves logging to LiveKit's CLI (JSON records); `dev` and the
+    harness print `name: message` lines: the bench reads the turn line in both."""
+    import json
+
+    from voice_agent.lab.call_bench import turn_lines
+
+    text = "12:00:00 INFO voice_agent: turn: e2e_latency=0.812s llm_node_ttft=0.100s"
+    record = json.dumps({"message": "turn: e2e_latency=0.700s", "level": "INFO",
+                         "name": "voice_agent"})  # fmt: skip
+    other = json.dumps({"message": "turn: e2e_latency=9.000s", "name": "livekit.agents"})
+    assert turn_lines("\n".join([text, "noise", record, other, "{not json"])) == [
+        {"e2e_latency": 0.812, "llm_node_ttft": 0.1},
+        {"e2e_latency": 0.7},
+    ]

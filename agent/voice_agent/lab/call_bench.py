@@ -39,7 +39,10 @@ QUESTIONS = ("What is the capital of France?", "Can you recommend a good book to
              "What time is it right now?")  # fmt: skip
 REPLY = "Sure, the capital of France is Paris."
 WAIT = 120.0  # every wait's hang guard
-TURN_LINE = re.compile(r"voice_agent: turn: (.*)$")  # observability.TurnMetrics' log line
+# observability.TurnMetrics' log line: as `voice-agent`'s own handler writes it, or inside
+# LiveKit's JSON record (`start` leaves logging to LiveKit's CLI: one JSON object a line)
+TURN_LINE = re.compile(r"voice_agent: turn: (.*)$")
+TURN_PREFIX = "turn: "
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -67,9 +70,27 @@ def turn_lines(log: str) -> list[dict[str, float]]:
     out = []
     for line in log.splitlines():
         if m := TURN_LINE.search(line):
-            out.append({k: float(v.rstrip("s")) for k, v in
-                        (kv.split("=", 1) for kv in m.group(1).split())})  # fmt: skip
+            fields = m.group(1)
+        elif line.startswith("{") and (record := _json_record(line)) is not None:
+            message = record.get("message")
+            if record.get("name") != "voice_agent" or not isinstance(message, str):
+                continue
+            if not message.startswith(TURN_PREFIX):
+                continue
+            fields = message.removeprefix(TURN_PREFIX)
+        else:
+            continue
+        out.append({k: float(v.rstrip("s")) for k, v in
+                    (kv.split("=", 1) for kv in fields.split())})  # fmt: skip
     return out
+
+
+def _json_record(line: str) -> dict | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 async def _call(stack: Stack, questions: list, alive) -> list[dict]:

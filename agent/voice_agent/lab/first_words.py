@@ -148,5 +148,6 @@ class TimedAgent(VoiceAgent):
                 if (sent := frame.userdata.get(USERDATA_TTS_STARTED_TIME)) is not None:
                     clock.mark("socket_text_sent", sent)
                 tts = self.session.tts
+                tts = getattr(tts, "inner", tts)  # the plugin under the agent's StandbyTTS
                 clock.tts_streams = list(getattr(tts, "_streams", ()))  # the plugin's own
             yield frame
