@@ -165,16 +165,23 @@ def pytest_make_collect_report(collector):
 # alongside the rest instead of running alone at the end. Only the order changes; a file not
 # listed keeps its place.
 LONGEST_FIRST = (
+    "tests/system/test_bench_smoke.py",
     "tests/system/test_soak.py",
     "tests/engine/quant/test_eval.py",
-    "tests/system/test_bench_smoke.py",
     "tests/system/test_livekit_distribution.py",
-    "tests/agent/test_service_lifecycle.py",
+    "tests/system/test_bench_call_smoke.py",
     "tests/agent/test_pipeline.py",
     "tests/plugins/faster_whisper/test_streaming.py",
-    "tests/agent/test_cli_errors.py",
-    "tests/engine/worker/test_vocoder_streams.py",
+    "tests/engine/worker/test_loop_detector.py",
+    "tests/agent/test_service_lifecycle.py",
     "tests/plugins/qwen3_tts/test_failover.py",
+    "tests/engine/serving/test_frame_cap.py",
+    "tests/plugins/qwen3_tts/test_balancing.py",
+    "tests/infra/test_troubleshooting_messages.py",
+    "tests/agent/test_cli_exit.py",
+    "tests/agent/test_cli_errors.py",
+    "tests/system/test_no_dead_air_call.py",
+    "tests/engine/worker/test_vocoder_streams.py",
     "tests/agent/test_local_engine_sharing.py",
     "tests/system/test_browser_client.py",
 )
