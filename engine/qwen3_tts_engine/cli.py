@@ -94,6 +94,7 @@ def engine_config(args: argparse.Namespace):
         text_start_tokens=args.text_start_tokens, text_pace=args.text_pace,
         max_sessions=args.max_sessions, ws_first_text_timeout_s=args.ws_first_text_timeout,
         ws_idle_timeout_s=args.ws_idle_timeout, ws_keepalive_timeout_s=args.ws_keepalive_timeout,
+        ws_ahead_s=args.ws_ahead, ws_max_pending=args.ws_max_pending,
     )  # fmt: skip
     server.voice_aliases.update(args.voice_alias or {})
     governor = GovernorConfig(
@@ -478,6 +479,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
+
+
 def _stream_memory(text: str) -> int | str | None:
     """--stream-memory-mb: megabytes (10^6) -> bytes; "auto"; "off" -> None."""
     value = text.strip().lower()
@@ -642,6 +650,23 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="a WebSocket with no utterance in progress (before the first, between two) is "
         "closed (1000) after S seconds (default 300)",
+    )
+    s.add_argument(
+        "--ws-ahead",
+        type=_positive_float,
+        default=3.0,
+        metavar="S",
+        help="flow control: a socket's stream pauses (and lends its real-time slot) while more "
+        "than S seconds of its audio wait unread by the client (default 3)",
+    )
+    s.add_argument(
+        "--ws-max-pending",
+        type=_positive_int,
+        default=64,
+        metavar="N",
+        help="texts waiting their turn on one socket (the hosted protocol's server_commit "
+        "responses, vLLM-Omni's sentences); past N a sentence end is not cut and a commit is a "
+        "429 (default 64)",
     )
     s.add_argument(
         "--max-batch",

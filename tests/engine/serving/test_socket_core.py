@@ -131,3 +131,16 @@ def test_the_docs_limits_table_names_each_core_field_and_its_config_field():
     assert set(named) == set(LIMITS), set(named) ^ set(LIMITS)
     for field, config in named.items():
         assert config is None or LIMITS[field] == config, (field, config)
+
+
+def test_serve_flags_reach_the_cores_flow_control_and_backlog_limits():
+    from qwen3_tts_engine.cli import build_parser, engine_config
+    from qwen3_tts_engine.serving.session_limits import SessionLimits
+
+    serve = ["serve", "--model", "/nonexistent/checkpoint"]  # nothing is loaded here
+    default = engine_config(build_parser().parse_args(serve)).server
+    custom = engine_config(build_parser().parse_args(
+        [*serve, "--ws-ahead", "1.5", "--ws-max-pending", "7"])).server  # fmt: skip
+    assert (default.ws_ahead_s, default.ws_max_pending) == (3.0, 64)
+    limits = SessionLimits.of(custom)
+    assert (limits.ahead_s, limits.max_pending) == (1.5, 7)
