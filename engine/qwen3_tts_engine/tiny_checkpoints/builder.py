@@ -517,6 +517,29 @@ _MARK, _COUNT, _SCORE = 61, 62, 63
 _MARK_VALUE, _COUNT_VALUE, _ALPHA, _THETA, _BETA = 8.0, 8.0, 4.0, 0.42, 64.0
 
 
+def _edit(weights: dict, name: str, fn) -> None:
+    """Apply `fn` in place to a float32 numpy copy of `weights[name]`, kept in its dtype."""
+    arr = np.array(weights[name].astype(mx.float32))
+    fn(arr)
+    weights[name] = mx.array(arr).astype(weights[name].dtype)
+
+
+def _keep_channels_free(weights: dict, talker: dict, reserved: list[int]) -> None:
+    """No part of the network but the codec embedding writes the residual channels `reserved`:
+    the code predictor's embeddings, the text projection, every layer's MLP and attention output
+    are zero there, so the hand-set channels carry only what the edit puts in them."""
+    for i in range(talker["num_code_groups"] - 1):
+        _edit(weights, f"talker.code_predictor.model.codec_embedding.{i}.weight",
+              lambda w: w.__setitem__((slice(None), reserved), 0.0))  # fmt: skip
+    for leaf in ("weight", "bias"):
+        _edit(weights, f"talker.text_projection.linear_fc2.{leaf}",
+              lambda w: w.__setitem__(reserved, 0.0))  # fmt: skip
+    for layer in range(talker["num_hidden_layers"]):
+        base = f"talker.model.layers.{layer}"
+        _edit(weights, f"{base}.mlp.down_proj.weight", lambda w: w.__setitem__(reserved, 0.0))
+        _edit(weights, f"{base}.self_attn.o_proj.weight", lambda w: w.__setitem__(reserved, 0.0))
+
+
 def _text_length_eos(weights: dict, config: dict) -> None:
     """Wire the talker so that it emits EOS after a number of frames that grows with the text.
 
@@ -535,9 +558,7 @@ def _text_length_eos(weights: dict, config: dict) -> None:
     reserved = [_MARK, _COUNT, _SCORE]
 
     def edit(name, fn):
-        arr = np.array(weights[name].astype(mx.float32))
-        fn(arr)
-        weights[name] = mx.array(arr).astype(weights[name].dtype)
+        _edit(weights, name, fn)
 
     def codec_embedding(w):
         w[:, reserved] = 0.0
@@ -545,16 +566,8 @@ def _text_length_eos(weights: dict, config: dict) -> None:
         w[talker["codec_pad_id"], _COUNT] = _COUNT_VALUE  # one per text position
 
     edit("talker.model.codec_embedding.weight", codec_embedding)
-    for i in range(talker["num_code_groups"] - 1):
-        edit(f"talker.code_predictor.model.codec_embedding.{i}.weight",
-             lambda w: w.__setitem__((slice(None), reserved), 0.0))  # fmt: skip
-    for leaf in ("weight", "bias"):
-        edit(f"talker.text_projection.linear_fc2.{leaf}", lambda w: w.__setitem__(reserved, 0.0))
+    _keep_channels_free(weights, talker, reserved)
     head_dim = talker["head_dim"]
-    for layer in range(talker["num_hidden_layers"]):
-        base = f"talker.model.layers.{layer}"
-        edit(f"{base}.mlp.down_proj.weight", lambda w: w.__setitem__(reserved, 0.0))
-        edit(f"{base}.self_attn.o_proj.weight", lambda w: w.__setitem__(reserved, 0.0))
     base = "talker.model.layers.0"
     # Head 0 attends uniformly (zero query); its kv head's last two value dims read the counters.
     edit(f"{base}.self_attn.q_proj.weight", lambda w: w.__setitem__(slice(0, head_dim), 0.0))
@@ -604,9 +617,7 @@ def _looping_talker(weights: dict, config: dict) -> None:
     reserved = [_LOOP_AFTER_OTHER, _LOOP_AFTER_A]
 
     def edit(name, fn):
-        arr = np.array(weights[name].astype(mx.float32))
-        fn(arr)
-        weights[name] = mx.array(arr).astype(weights[name].dtype)
+        _edit(weights, name, fn)
 
     def codec_embedding(w):
         w[:, reserved] = 0.0
@@ -615,15 +626,7 @@ def _looping_talker(weights: dict, config: dict) -> None:
         w[a, _LOOP_AFTER_A] = _LOOP_MARK
 
     edit("talker.model.codec_embedding.weight", codec_embedding)
-    for i in range(talker["num_code_groups"] - 1):
-        edit(f"talker.code_predictor.model.codec_embedding.{i}.weight",
-             lambda w: w.__setitem__((slice(None), reserved), 0.0))  # fmt: skip
-    for leaf in ("weight", "bias"):
-        edit(f"talker.text_projection.linear_fc2.{leaf}", lambda w: w.__setitem__(reserved, 0.0))
-    for layer in range(talker["num_hidden_layers"]):
-        base = f"talker.model.layers.{layer}"
-        edit(f"{base}.mlp.down_proj.weight", lambda w: w.__setitem__(reserved, 0.0))
-        edit(f"{base}.self_attn.o_proj.weight", lambda w: w.__setitem__(reserved, 0.0))
+    _keep_channels_free(weights, talker, reserved)
     edit("talker.model.norm.weight", lambda w: w.__setitem__(reserved, 1.0))
 
     def codec_head(w):
