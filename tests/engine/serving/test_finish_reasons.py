@@ -11,7 +11,6 @@ mid-stream "error". Orders by events (a chunk received, a counter that moved); f
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import os
 import signal
@@ -32,6 +31,7 @@ from qwen3_tts_engine.protocol import (
 )
 from qwen3_tts_engine.serving.app import EngineServer, ServerConfig
 from qwen3_tts_engine.worker.loop_detector import DEFAULT_LOOP_RULES
+from tests.engine.serving.test_frame_cap import _sse_done  # BODY and client as here
 
 HANG_GUARD = 120
 TEXT = "Hello there, how are you doing today?"  # its default cap is far above the window
@@ -80,19 +80,6 @@ async def _post(srv, **body) -> httpx.Response:
         return await c.post("/v1/audio/speech", json={**BODY, **body})
 
 
-async def _sse(srv, **body) -> tuple[int, dict]:
-    """Samples and the `speech.audio.done` event of an SSE response."""
-    events = []
-    async with _client(srv) as c, c.stream("POST", "/v1/audio/speech",
-                                           json={**BODY, "stream_format": "sse", **body}) as r:  # fmt: skip
-        assert r.status_code == 200
-        async for line in r.aiter_lines():
-            if line.startswith("data: "):
-                events.append(json.loads(line[6:]))
-    assert events[-1]["type"] == "speech.audio.done"
-    return sum(len(base64.b64decode(e["audio"])) // 2 for e in events[:-1]), events[-1]
-
-
 # -- stop: end of speech ---------------------------------------------------------------------
 
 
@@ -103,7 +90,7 @@ async def test_an_utterance_that_ends_by_eos_says_stop(engine):
     r = await _post(engine, input="Hello there.")
     assert r.status_code == 200 and r.headers[HEADER_FINISH_REASON] == "stop"
     assert HEADER_CAPPED not in r.headers
-    _, done = await _sse(engine, input="Hello there.")
+    _, done = await _sse_done(engine, input="Hello there.")
     assert done["finish_reason"] == "stop" and done["capped"] is False
     # counted before each response went out, once each
     assert _moved(before, await _finished(engine)) == {"stop": 2}
@@ -125,7 +112,7 @@ async def test_a_cap_reached_before_the_loop_is_seen_says_length(looping):
 @pytest.mark.slow
 async def test_a_looping_utterance_ends_as_repetition_well_before_its_cap(looping):
     before = await _finished(looping)
-    samples, done = await _sse(looping, input=TEXT)
+    samples, done = await _sse_done(looping, input=TEXT)
     assert done["finish_reason"] == "repetition" and done["capped"] is False
     assert samples == WINDOW * FRAME_SAMPLES  # one window of frames
     assert done["usage"]["output_tokens"] == WINDOW < default_max_new_tokens(TEXT) // 2
