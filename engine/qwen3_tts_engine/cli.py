@@ -649,7 +649,8 @@ def _build_parser() -> argparse.ArgumentParser:
         default=300.0,
         metavar="S",
         help="a WebSocket with no utterance in progress (before the first, between two) is "
-        "closed (1000) after S seconds (default 300)",
+        "closed (1000) once its client sent no message for S seconds (pings do not count; "
+        "default 300)",
     )
     s.add_argument(
         "--ws-ahead",

@@ -405,8 +405,9 @@ class SocketSession:
     def _keepalive_expired(self) -> None:
         # nothing failed: a normal close, with the reason
         self.closing = True
-        self.close_reason = close_reason(f"no utterance for {self.limits.keepalive_s:g} s "
-                                         "(ws_keepalive_timeout_s)")  # fmt: skip
+        self.close_reason = close_reason(
+            f"no utterance in progress and no message for {self.limits.keepalive_s:g} s "
+            "(ws_keepalive_timeout_s)")  # fmt: skip
 
     def _first_text_expired(self) -> None:
         raise SessionEnd(RequestError(
