@@ -7,8 +7,8 @@ of (the words so far, seed), so a replay on another endpoint says the same as th
 the real engine does (its equivalence tests); it fails on demand: a socket closed before the
 first audio, an error event (503 or 400), a connection cut mid-audio, a peer that stops
 reading (no pong) while the text is still open, a full engine (429 at the upgrade, or an
-`engine_full` error event), or an utterance ended while its text is open (as a frame cap ends
-one). As the engine does, it keeps a socket open after `response.done` for the next
+`engine_full` error event), an utterance ended while its text is open (as a frame cap ends
+one), or one that is taken and then never answered (a stuck synthesis; pings still answered). As the engine does, it keeps a socket open after `response.done` for the next
 `session.start`, and answers `response.cancel` with `response.done` (`"cancelled": true`);
 `close_after_done` makes it an older engine that closes the socket after each utterance. The real
 engine's socket: test_text_stream.py and test_warm_socket.py.
@@ -51,7 +51,7 @@ class FaultSocketEngine:
     """A loopback streaming-text server; `fault` applies to every socket until set back to None."""
 
     def __init__(self) -> None:
-        # close | error503 | error400 | cut | stall | full | full_upgrade | done_early
+        # close | error503 | error400 | cut | stall | full | full_upgrade | done_early | mute
         self.fault: str | None = None
         self.cut_after = 2 * len(word_pcm(0, "x", 0)) + 1001  # audio bytes before a cut: odd
         # per utterance: start message, text, ended, cancelled, open (its socket)
@@ -152,6 +152,8 @@ class FaultSocketEngine:
                 session["text"] += event["text"]
             elif kind == "input_text.end":
                 session["ended"] = True
+            if self.fault == "mute":  # takes the text and its end, says nothing: a stuck synthesis
+                continue
             words = session["text"].split()
             if not session["ended"] and not session["text"][-1:].isspace():
                 words = words[:-1]  # the last word may go on: held back, as the engine does
@@ -270,6 +272,44 @@ async def test_a_peer_that_stops_answering_while_text_is_open_is_failed_over(soc
     assert report.endpoints == [a.url, b.url]
     assert "Stalled" in (tts.endpoints.endpoints[0].last_error or "")
     np.testing.assert_array_equal(audio, reference(WORDS, 3))
+
+
+async def _until(predicate) -> None:
+    for _ in range(int(HANG_GUARD * 20)):
+        if predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the plugin did not get there")
+
+
+async def test_an_engine_that_never_answers_after_the_text_ended_is_failed_over(sockets):
+    """A takes the utterance (session.created) and its text, then says nothing, though it answers
+    pings (a stuck synthesis). While the text is open that silence is allowed (the LLM may be
+    slow); once the text has ended A owes an answer within `conn_options.timeout`, also when the
+    plugin began that wait while the text was still open: it is failed over to B."""
+    a, b = sockets
+    a.fault = "mute"
+    tts = _tts(a.url, b.url, seed=4)
+    stream = tts.stream(conn_options=APIConnectOptions(max_retry=0, timeout=6.0))
+    audio: list[np.ndarray] = []
+    try:
+        async with asyncio.timeout(HANG_GUARD):
+            for word in WORDS:
+                stream.push_text(word + " ")
+            # A's session.created was read: the plugin now waits for A with the text open
+            await _until(lambda: stream.text_streams and stream.text_streams[0].request_ids)
+            stream.end_input()
+            async for ev in stream:
+                if (data := pcm(ev)) is not None:
+                    audio.append(data)
+    finally:
+        await stream.aclose()
+        await tts.aclose()
+    report = stream.text_streams[0]
+    assert report.endpoints == [a.url, b.url]
+    assert "Stalled" in (tts.endpoints.endpoints[0].last_error or "")
+    assert b.sessions[0]["text"].split() == WORDS and b.sessions[0]["ended"]
+    np.testing.assert_array_equal(np.concatenate(audio), reference(WORDS, 4))
 
 
 async def test_a_5xx_error_event_fails_over_and_a_4xx_one_is_the_callers(sockets):

@@ -215,9 +215,9 @@ class SocketAttempt:
             # Bounded while the engine owes an answer: to the start (where the dialect answers
             # it), and after the text ended. While text is open the engine may be silent for
             # as long as the LLM is: the heartbeat finds a dead peer then.
-            owed = (dialect.owes_start and not created) or self._ended
+            owed = (dialect.owes_start and not created) or self._ended or sender.done()
             try:
-                msg = await ws.receive(timeout=self._conn.timeout if owed else None)
+                msg = await self._next_message(ws, sender, owed)
             except TimeoutError:
                 raise Stalled(
                     f"no answer for {self._conn.timeout:g} s after {received} bytes"
@@ -274,6 +274,29 @@ class SocketAttempt:
             elif heard.kind == "other":
                 logger.debug("TTS socket to %s: %r not of this utterance: ignored", sock.url,
                              event.get("type"))  # fmt: skip
+
+    async def _next_message(self, ws: aiohttp.ClientWebSocketResponse, sender: asyncio.Task,
+                            owed: bool) -> aiohttp.WSMessage:  # fmt: skip
+        """The socket's next message: within `conn.timeout` when the engine owes one, else with
+        no bound until the text ends (the sender is done) and within `conn.timeout` from then:
+        a wait begun while the text was open is bounded once the engine owes its answer.
+        (TimeoutError when it does not come.)"""
+        timeout = self._conn.timeout
+        async with asyncio.timeout(timeout if owed else None) as bound:
+            if owed:
+                return await ws.receive()
+            loop, waiting = asyncio.get_running_loop(), True
+
+            def text_ended(_: asyncio.Task) -> None:
+                if waiting:  # (a callback already scheduled may run after the wait is over)
+                    bound.reschedule(loop.time() + timeout)
+
+            sender.add_done_callback(text_ended)
+            try:
+                return await ws.receive()
+            finally:
+                waiting = False
+                sender.remove_done_callback(text_ended)
 
     def _asked_rate(self, sock: WarmSocket) -> int:
         return self._starts.get(sock.protocol, {}).get("sample_rate", SAMPLE_RATE)
