@@ -4,7 +4,7 @@ phrase ("One moment, please.") in its own voice, keeps trying, then apologises t
 `StandbyTTS` wraps the agent's TTS as LiveKit's `tts.FallbackAdapter` wraps several: a stream
 forwards the reply's text to the wrapped TTS (which fails over between engines and retries by its
 `conn_options`: the bounded "keeps trying") and its audio back. When no audio has come
-`hold_after` s after the reply's text began and an attempt of the wrapped TTS has failed (its
+`hold_after` s after the reply's text began and one of this reply's own attempts has failed (the
 `error` event: the plugin raises only once every engine was full or down), the hold phrase plays;
 when the wrapped stream then fails for good, or gives no audio within `give_up_after` s of the
 phrase, the apology plays in place of the reply. A slow but healthy engine never triggers it.
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import logging
 import time
@@ -42,6 +43,14 @@ GIVE_UP_AFTER_S = 10.0
 _SYNTHESIZED: dict[str, dict[str, bytes]] = {}
 # one try each (the plugin still fails over between engines): a fill is retried by the next reply
 _FILL_OPTIONS = APIConnectOptions(max_retry=0, timeout=DEFAULT_API_CONNECT_OPTIONS.timeout)
+# Whose attempt an `error` event of the wrapped TTS reports. LiveKit emits it from the failed
+# stream's own task, which copies the context of the code that called `stream()` or
+# `synthesize()`: a reply's stream sets itself here before it opens the wrapped stream, the
+# phrases' background synthesis sets None, so a reply counts only its own failed attempts (not a
+# phrase synthesis that timed out, nor another reply's).
+_ATTEMPT_OF: contextvars.ContextVar[object | None] = contextvars.ContextVar(
+    "standby_attempt_of", default=None
+)
 
 
 class Phrases:
@@ -81,6 +90,7 @@ class Phrases:
         now the engine's. A failure (no engine answers) leaves the bundled clips in use."""
         if self.synthesized:
             return True
+        _ATTEMPT_OF.set(None)  # (this task's context) its failures are no reply's
         pcm = {}
         try:
             for name, text in PHRASES.items():
@@ -212,10 +222,11 @@ class StandbyStream(tts.SynthesizeStream):
         text_began, refused = asyncio.Event(), asyncio.Event()  # refused: an attempt failed
 
         def on_error(ev: tts.TTSError) -> None:
-            if covered(ev.error):
+            if _ATTEMPT_OF.get() is self and covered(ev.error):  # this reply's attempt failed
                 refused.set()
 
         standby.inner.on("error", on_error)
+        _ATTEMPT_OF.set(self)  # (this task's context, copied by the wrapped stream's task)
         inner = standby.inner.stream(conn_options=self._conn_options)
         audio: asyncio.Queue[rtc.AudioFrame | BaseException | None] = asyncio.Queue()
 
