@@ -194,12 +194,14 @@ async def _crashed_job_gets_an_agent_back(server, keeper: CallKeeper, llm: Scrip
     caller.say(question)
     await _until(lambda: len(llm.requests) > asked, "the second question to reach the LLM")
     # the first turn is in context: its answer, and two user turns (counted by role: tiny.en
-    # heard the first question once as "what? how is it right now?", without "time")
+    # heard the first question once as "what? how is it right now?", without "time"). An
+    # assistant message that only calls a tool has no "content" (OpenAI's format): not an answer.
     context = llm.requests[-1]["messages"]
     users = [m for m in context if m["role"] == "user"]
     answered = [
-        m for m in context if m["role"] == "assistant" and "noon" in str(m["content"]).lower()
-    ]
+        m for m in context
+        if m["role"] == "assistant" and "noon" in str(m.get("content") or "").lower()
+    ]  # fmt: skip
     assert len(users) >= 2 and answered, json.dumps(context)
     print(
         f"crashed job: a new agent in the room {rejoined:.1f}s and its voice {heard_again:.1f}s after the kill"
