@@ -55,12 +55,7 @@ def _heard(caller: Caller, question: str) -> bool:
     hears Opus-coded WebRTC audio: most of its words, not always every one ("What's time...",
     "Watt time...", and on a loaded machine "What? I-Is it right now?"): a word error rate of at
     most one half."""
-    return any(
-        attrs.get("lk.transcription_final") == "true"
-        and (sender == caller.identity or attrs.get("lk.transcribed_track_id") == caller.mic_sid)
-        and word_error_rate(question, text) <= 0.5
-        for sender, attrs, text in caller.transcripts
-    )
+    return any(word_error_rate(question, text) <= 0.5 for text in caller.user_texts(final=True))
 
 
 def _stop_worker(proc: subprocess.Popen) -> None:

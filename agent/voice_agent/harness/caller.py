@@ -105,9 +105,14 @@ class Caller:
 
     def user_transcript(self) -> str:
         """What the agent transcribed of this caller's speech."""
-        mine = [t for sender, attrs, t in self.transcripts
-                if sender == self.identity or attrs.get("lk.transcribed_track_id") == self.mic_sid]  # fmt: skip
-        return " ".join(mine)
+        return " ".join(self.user_texts())
+
+    def user_texts(self, final: bool = False) -> list[str]:
+        """The agent's transcripts of this caller's speech, each as sent (only the final ones
+        with `final`)."""
+        return [t for sender, attrs, t in self.transcripts
+                if (sender == self.identity or attrs.get("lk.transcribed_track_id") == self.mic_sid)
+                and (not final or attrs.get("lk.transcription_final") == "true")]  # fmt: skip
 
     def agent_transcript(self) -> str:
         """What the agent said, as text: its text streams that ended (a stream ends as the agent
